@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project environment in .venv at the repository root.
+#   bash scripts/setup.sh          runtime: torch, safetensors, rich, vllm-mla (editable)
+#   bash scripts/setup.sh --test   the same plus pytest and ruff
+# Idempotent: a second run reinstalls nothing unless pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[[ "${1:-}" == "--test" ]] && extras="[test]"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null || python=python3
+
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+# torch first, pinned where it matters: without a GPU the 2.13.0 CPU wheel (local on
+# this kind of machine, seconds); with one, the newest CUDA build the range allows.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    "${pip[@]}" install "torch>=2.13,<2.15"
+  else
+    "${pip[@]}" install "torch==2.13.0"
+  fi
+fi
+
+stamp=".venv/.vllm-mla-installed${extras}"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+  "${pip[@]}" install -e ".${extras}"
+  .venv/bin/python -c "import vllm_mla.cli" # fail here, not later, if the install broke
+  echo "$want" > "$stamp"
+fi

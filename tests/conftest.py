@@ -1,0 +1,37 @@
+"""Shared fixtures: small MLA layers in every source format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mla.geometry import MLAGeometry, RankGeometry
+from vllm_mla.weights.layer import MLALayer, build_layer, source_tensors, synthetic_weight
+
+FORMATS = ("bf16", "fp8-block", "mxfp8")
+
+
+@pytest.fixture
+def geo() -> RankGeometry:
+    """Small but awkward: 6 heads (not a power of two), rows not a multiple of 128."""
+    return MLAGeometry(6, 48, 16, 64, 40, 3, name="small").shard(1)
+
+
+def make_layer(geo: RankGeometry, fmt: str, seed: int = 0, layer: int = 0) -> MLALayer:
+    """A fresh layer with seeded weights in ``fmt``."""
+    weight = synthetic_weight(geo, seed=seed, layer=layer, std=0.5)
+    return build_layer(geo, source_tensors(weight, fmt))
+
+
+def reference_pair(geo: RankGeometry, fmt: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """W_UK_T, W_UV computed directly from the definition (independent of the lifecycle)."""
+    layer = make_layer(geo, fmt, seed)
+    from vllm_mla.weights.sources import read_source
+
+    src = read_source(layer.kv_b_proj)
+    full = src.dequantize_rows(0, src.shape[0]).to(torch.bfloat16)
+    m = geo.model
+    w = full.view(geo.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    w_uk_t = w[:, : m.qk_nope_head_dim, :].contiguous()
+    w_uv = w[:, m.qk_nope_head_dim :, :].transpose(1, 2).contiguous()
+    return w_uk_t, w_uv

@@ -1,0 +1,195 @@
+"""`vllm-mla qualify`: JSON contract, figures, checks and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_mla import qualify as qualify_mod
+from vllm_mla.cli import main
+from vllm_mla.geometry import preset
+from vllm_mla.weights.layer import source_tensors, synthetic_weight
+
+SIDE_KEYS = {
+    "absorbed_bytes": int,
+    "source_bytes": int,
+    "resident_bytes": int,
+    "peak_transient_bytes": (int, type(None)),
+    "reserved_unallocated_bytes": (int, type(None)),
+}
+CHECK_KEYS = {
+    "parity_max_abs_err": float,
+    "parity_ok": bool,
+    "source_released": bool,
+    "reload_pointers_stable": bool,
+    "regenerated_after_release": bool,
+}
+SMALL = ["--preset", "deepseek-v2-lite", "--tp", "2", "--layers", "2", "--device", "cpu"]
+
+
+def run_json(capsys, *args):
+    code = main(["qualify", *args, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_json_schema_1(capsys):
+    code, report = run_json(capsys, *SMALL)
+    assert code == 0
+    top = {
+        "schema": int,
+        "preset": str,
+        "tp": int,
+        "heads_per_rank": int,
+        "layers": int,
+        "weights": str,
+        "device": str,
+        "reclaimed_bytes": int,
+    }
+    for key, kind in top.items():
+        assert isinstance(report[key], kind), key
+    for side in ("baseline", "lean"):
+        for key, kind in SIDE_KEYS.items():
+            assert isinstance(report[side][key], kind), (side, key)
+    for key, kind in CHECK_KEYS.items():
+        assert isinstance(report["checks"][key], kind), key
+    assert report["schema"] == 1 and report["weights"] == "mxfp8" and report["device"] == "cpu"
+    assert (report["preset"], report["tp"], report["heads_per_rank"], report["layers"]) == (
+        "deepseek-v2-lite",
+        2,
+        8,
+        2,
+    )
+
+
+def test_default_geometry_figures(capsys):
+    """glm-5 TP4 mxfp8: per layer the reclaimed bytes are exactly the MXFP8 source."""
+    code, report = run_json(capsys, "--layers", "2", "--device", "cpu")
+    rows, cols = 16 * (192 + 256), 512
+    source = rows * cols + rows * cols // 32  # e4m3 values + uint8 scales
+    assert code == 0 and report["heads_per_rank"] == 16
+    assert report["baseline"]["source_bytes"] == 2 * source
+    assert report["lean"]["source_bytes"] == 0
+    assert report["reclaimed_bytes"] == 2 * source
+    assert (
+        report["lean"]["absorbed_bytes"]
+        == report["baseline"]["absorbed_bytes"]
+        == 2 * rows * cols * 2
+    )
+    lean_peak, base_peak = (
+        report["lean"]["peak_transient_bytes"],
+        report["baseline"]["peak_transient_bytes"],
+    )
+    assert 0 < lean_peak <= report["scratch_bound_bytes"] < base_peak
+    checks = report["checks"]
+    assert checks["parity_max_abs_err"] == 0.0 and all(
+        checks[k]
+        for k in (
+            "parity_ok",
+            "source_released",
+            "reload_pointers_stable",
+            "regenerated_after_release",
+        )
+    )
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8-block"])
+def test_other_formats(capsys, weights):
+    code, report = run_json(capsys, *SMALL, "--weights", weights)
+    assert code == 0 and report["weights"] == weights and report["checks"]["parity_ok"]
+    if weights == "bf16":  # upstream aliases a bf16 source: nothing to reclaim
+        assert report["reclaimed_bytes"] == 0
+
+
+def test_mha_prefill_keeps_the_source_and_says_why(capsys):
+    code, report = run_json(capsys, *SMALL, "--mha-prefill")
+    assert code == 0
+    assert report["lean"]["source_bytes"] == report["baseline"]["source_bytes"] > 0
+    assert report["reclaimed_bytes"] == 0
+    assert not report["checks"]["source_released"]
+    assert any("MHA prefill" in note for note in report["notes"])
+    assert report["checks"]["reload_pointers_stable"]
+
+
+def test_padded_tp(capsys):
+    code, report = run_json(
+        capsys,
+        "--preset",
+        "kimi-k2",
+        "--tp",
+        "6",
+        "--rank",
+        "5",
+        "--layers",
+        "1",
+        "--device",
+        "cpu",
+    )
+    assert code == 0 and report["heads_per_rank"] == 11 and report["real_heads"] == 9
+
+
+def test_checkpoint(tmp_path, capsys):
+    geo = preset("deepseek-v2-lite").shard(1)
+    tensors = {}
+    for i in range(2):
+        for name, t in source_tensors(synthetic_weight(geo, seed=9, layer=i), "fp8-block").items():
+            tensors[f"model.layers.{i}.self_attn.kv_b_proj.{name}"] = t
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    code, report = run_json(capsys, *SMALL, "--checkpoint", str(tmp_path))
+    assert code == 0 and report["weights"] == "fp8-block" and report["layers"] == 2
+    assert report["checks"]["parity_ok"] and report["source"] == str(tmp_path)
+
+
+def test_human_table(capsys):
+    assert main(["qualify", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "reclaimed" in out and "baseline" in out and "parity_ok" in out
+
+
+def test_failed_check_exits_1(capsys, monkeypatch):
+    monkeypatch.setattr(qualify_mod, "_max_abs_err", lambda a, b: 1.0)
+    code, report = run_json(capsys, *SMALL)
+    assert code == 1 and report["checks"]["parity_ok"] is False
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "llama"], "unknown preset 'llama'"),
+        (["--tp", "0"], "tp must be a positive int"),
+        (["--tp", "1000"], "tp=1000 exceeds num_heads=64"),
+        (["--layers", "0"], "--layers must be positive"),
+        (["--checkpoint", "/nonexistent/ckpt"], "checkpoint path does not exist"),
+        (["--weights", "int4"], "invalid choice"),
+        (["--max-scratch-mib", "0.001"], "max_scratch_bytes=1048 is below"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(capsys, args, message):
+    code = main(["qualify", "--device", "cpu", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("vllm-mla: error:") and message in err
+
+
+def test_console_script_error_has_no_traceback():
+    exe = Path(sys.executable).parent / "vllm-mla"
+    result = subprocess.run(
+        [str(exe), "qualify", "--preset", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "vllm-mla: error: unknown preset 'nope' "
+        "(known: deepseek-v2-lite, deepseek-v3, glm-5, kimi-k2)"
+    )
+
+
+def test_cuda_without_gpu_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["qualify", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+"""What an MLA attention backend allows the lifecycle and the query path to do.
+
+Flags are declared per backend name, default off, and never inferred from other
+settings. Upstream backends are absent from the table, so they keep everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES, LifecycleConfig
+
+
+class CapabilityError(ValueError):
+    """A capability is on for a backend that cannot support it (a start-up error)."""
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """Backend-level flags; ``releases_absorbed_source`` needs MQA-only serving."""
+
+    name: str
+    releases_absorbed_source: bool = False
+    needs_safe_query_bmm: bool = False
+    supports_fused_query_projection: bool = False
+    serves_extend_through_absorbed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.releases_absorbed_source and not self.serves_extend_through_absorbed:
+            raise CapabilityError(
+                f"{self.name}: releases_absorbed_source requires "
+                "serves_extend_through_absorbed (an MQA-only backend); with a dense MHA "
+                "prefill path kv_b_proj is still called"
+            )
+
+
+CAPABILITIES: dict[str, BackendCapabilities] = {
+    "B12X_MLA_SPARSE": BackendCapabilities(
+        "B12X_MLA_SPARSE",
+        releases_absorbed_source=True,
+        supports_fused_query_projection=True,
+        serves_extend_through_absorbed=True,
+    ),
+}
+
+
+def capabilities_for(backend: str) -> BackendCapabilities:
+    """The declared flags of ``backend``; all off for a backend not in the table."""
+    return CAPABILITIES.get(backend, BackendCapabilities(backend))
+
+
+def lifecycle_config(
+    caps: BackendCapabilities, *, max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES
+) -> LifecycleConfig:
+    """The lifecycle settings a backend's capabilities imply."""
+    return LifecycleConfig(
+        release_source=caps.releases_absorbed_source,
+        dense_mha_prefill=not caps.serves_extend_through_absorbed,
+        max_scratch_bytes=max_scratch_bytes,
+    )

@@ -1,0 +1,158 @@
+"""The ``vllm-mla`` command line.
+
+Exit codes: 0 every applicable check passed; 1 a check failed; 2 the command
+could not run (bad preset, TP, device, checkpoint...), with a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from vllm_mla.geometry import PRESETS, GeometryError
+from vllm_mla.qualify import (
+    QualifyConfig,
+    QualifyError,
+    failed_checks,
+    plain_progress,
+    run_qualify,
+)
+from vllm_mla.weights import LifecycleError, SourceError
+from vllm_mla.weights.checkpoint import CheckpointError
+from vllm_mla.weights.layer import WEIGHT_FORMATS
+
+MIB = 1 << 20
+USAGE_ERRORS = (GeometryError, QualifyError, CheckpointError, SourceError, LifecycleError)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"vllm-mla: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="vllm-mla", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("qualify", help="baseline vs lean absorbed weights, per TP rank")
+    q.add_argument("--preset", default="glm-5", help=f"one of {', '.join(PRESETS)}")
+    q.add_argument("--tp", type=int, default=4, help="tensor-parallel size (default 4)")
+    q.add_argument("--rank", type=int, default=0, help="TP rank to report (default 0)")
+    q.add_argument("--weights", choices=WEIGHT_FORMATS, help="source format (default mxfp8)")
+    q.add_argument("--layers", type=int, help="first K layers only (default: all)")
+    q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    q.add_argument("--checkpoint", help="safetensors file or folder holding kv_b_proj tensors")
+    q.add_argument("--mha-prefill", action="store_true", help="a dense MHA prefill backend")
+    q.add_argument("--no-release", action="store_true", help="keep the source after absorption")
+    q.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    q.add_argument("--max-scratch-mib", type=float, default=8.0, help="dequant scratch bound")
+    q.add_argument("--json", action="store_true", help="print the schema-1 JSON report only")
+    return parser
+
+
+def _bar(console: Console):
+    def progress(label: str, total: int) -> Iterator[int]:
+        columns = (
+            TextColumn(f"{label:>8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("layers"),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, transient=True) as bar:
+            yield from bar.track(range(total), total=total)
+
+    return progress
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / MIB:,.1f}"
+
+
+def _render(report: dict, console: Console) -> None:
+    title = (
+        f"{report['preset']}  TP{report['tp']} rank {report['rank']}  "
+        f"{report['heads_per_rank']} heads/rank ({report['real_heads']} real)  "
+        f"{report['layers']} layers  {report['weights']}  {report['device']}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("MiB per GPU")
+    table.add_column("baseline", justify="right")
+    table.add_column("lean", justify="right")
+    table.add_column("lean - baseline", justify="right")
+    base, lean = report["baseline"], report["lean"]
+    rows = (
+        ("absorbed (W_UK_T + W_UV)", "absorbed_bytes"),
+        ("kv_b_proj source", "source_bytes"),
+        ("packed owners", "packed_bytes"),
+        ("resident after post-load", "resident_bytes"),
+        ("peak transient (allocator)", "peak_transient_bytes"),
+        ("reserved, unallocated", "reserved_unallocated_bytes"),
+    )
+    for label, key in rows:
+        b, ln = base[key], lean[key]
+        delta = None if b is None or ln is None else ln - b
+        table.add_row(label, _mib(b), _mib(ln), "n/a" if delta is None else f"{delta / MIB:+,.1f}")
+    console.print(table)
+    console.print(
+        f"reclaimed: {_mib(report['reclaimed_bytes'])} MiB per GPU "
+        f"({report['reclaimed_bytes']:,} bytes); scratch bound "
+        f"{_mib(report['scratch_bound_bytes'])} MiB ({report['heads_per_chunk']} heads per chunk); "
+        f"{report['elapsed_s']:.1f} s"
+    )
+    failed = set(failed_checks(report))
+    for name, value in report["checks"].items():
+        mark = "[red]FAIL[/]" if name in failed else "[green]ok[/]"
+        if isinstance(value, bool) and not value and name not in failed:
+            mark = "[dim]n/a[/]"
+        console.print(f"  {mark:>18}  {name} = {value}")
+    for note in report["notes"]:
+        console.print(f"  note: {note}")
+
+
+def _qualify(args: argparse.Namespace) -> int:
+    cfg = QualifyConfig(
+        preset=args.preset,
+        tp=args.tp,
+        rank=args.rank,
+        weights=args.weights,
+        layers=args.layers,
+        device=args.device,
+        checkpoint=args.checkpoint,
+        release=not args.no_release,
+        mha_prefill=args.mha_prefill,
+        seed=args.seed,
+        max_scratch_bytes=int(args.max_scratch_mib * MIB),
+    )
+    # A duplicate of fd 2, so the progress bar survives AllocationTrace's capture of fd 2.
+    err = Console(file=os.fdopen(os.dup(2), "w", buffering=1), stderr=True)
+    progress = plain_progress if args.json or not err.is_terminal else _bar(err)
+    report = run_qualify(cfg, progress)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _render(report, Console())
+    return 1 if failed_checks(report) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``vllm-mla`` console script; returns the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return _qualify(args)
+    except USAGE_ERRORS as exc:
+        print(f"vllm-mla: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""`vllm-mla qualify`: baseline vs lean on one TP rank, measured by the same ledger.
+
+Builds every layer's kv_b_proj (synthetic seeded weights or a checkpoint), runs
+upstream's post-load (baseline) and the lean lifecycle side by side, and checks:
+bit-identical absorbed pairs, stable pair addresses across a reload with new
+weights, and correct regeneration after the source was released.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vllm_mla.geometry import RankGeometry, preset
+from vllm_mla.memory import AllocationTrace, Ledger
+from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
+from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES, PAIR
+from vllm_mla.weights.checkpoint import checkpoint_format, load_kv_b_proj
+from vllm_mla.weights.layer import MLALayer, build_layer, source_tensors, synthetic_weight
+
+SCHEMA = 1
+ACT_DTYPE = torch.bfloat16
+MHA_PREFILL_NOTE = "source kept: a dense MHA prefill backend calls kv_b_proj (--mha-prefill)"
+NO_RELEASE_NOTE = "source kept: release disabled (--no-release)"
+
+Progress = Callable[[str, int], Iterator[int]]
+
+
+def plain_progress(label: str, total: int) -> Iterator[int]:
+    return iter(range(total))
+
+
+@dataclass(frozen=True)
+class QualifyConfig:
+    """Everything one qualify run depends on."""
+
+    preset: str = "glm-5"
+    tp: int = 4
+    rank: int = 0
+    weights: str | None = None  # None: mxfp8, or the checkpoint's own format
+    layers: int | None = None
+    device: str = "auto"
+    checkpoint: str | None = None
+    release: bool = True
+    mha_prefill: bool = False
+    seed: int = 0
+    max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES
+
+
+class QualifyError(ValueError):
+    """A setting qualify cannot run with; the message names it."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QualifyError("--device cuda: no CUDA device is available to this torch build")
+    if name not in ("cpu", "cuda"):
+        raise QualifyError(f"--device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def _sources(cfg: QualifyConfig, geo: RankGeometry, progress: Progress) -> tuple[str, list[dict]]:
+    """(format, per-layer CPU source tensors) from the checkpoint or the seed."""
+    if cfg.checkpoint:
+        per_layer = load_kv_b_proj(cfg.checkpoint, geo, cfg.layers)
+        fmt = checkpoint_format(per_layer[0])
+        if cfg.weights and cfg.weights != fmt:
+            raise QualifyError(f"--weights {cfg.weights} but the checkpoint holds {fmt} kv_b_proj")
+        return fmt, per_layer
+    fmt = cfg.weights or "mxfp8"
+    count = geo.model.num_layers if cfg.layers is None else cfg.layers
+    per_layer = [
+        source_tensors(synthetic_weight(geo, seed=cfg.seed, layer=i), fmt)
+        for i in progress("weights", count)
+    ]
+    return fmt, per_layer
+
+
+def _drop_cached_blocks(device: torch.device) -> None:
+    """Start a phase from an empty CUDA cache, so its holes are its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _reserved_unallocated(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _phase(
+    layers: list[MLALayer], run: Callable[[MLALayer], object], device, progress, label
+) -> dict:
+    """Post-load every layer under one allocation trace; the owners' bytes after it."""
+    with AllocationTrace(device) as trace:
+        for i in progress(label, len(layers)):
+            run(layers[i])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ledger = Ledger()
+    for layer in layers:
+        ledger.add_layer(layer)
+    return {
+        "absorbed_bytes": ledger.bytes_of("absorbed"),
+        "source_bytes": ledger.bytes_of("source"),
+        "packed_bytes": ledger.bytes_of("packed"),
+        "resident_bytes": ledger.resident_bytes,
+        "peak_transient_bytes": trace.transient_peak(),
+        "reserved_unallocated_bytes": _reserved_unallocated(device),
+    }
+
+
+def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def _pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(layer, n) for n in PAIR)
+
+
+def _reload_check(lean: list[MLALayer], geo, fmt, cfg, lifecycle, device, progress) -> dict:
+    """Give every lean layer new weights the way a reload does; pointers must not move."""
+    stable = correct = True
+    for i in progress("reload", len(lean)):
+        layer = lean[i]
+        before = [t.data_ptr() for t in _pair(layer)]
+        new = source_tensors(synthetic_weight(geo, seed=cfg.seed + 1, layer=i), fmt)
+        for name, tensor in new.items():
+            layer.kv_b_proj._parameters[name] = torch.nn.Parameter(
+                tensor.to(device), requires_grad=False
+            )
+        post_load(layer, ACT_DTYPE, lifecycle)
+        stable &= before == [t.data_ptr() for t in _pair(layer)]
+        reference = build_layer(geo, new, device)
+        baseline_post_load(reference, ACT_DTYPE)
+        correct &= all(
+            torch.equal(a, b) for a, b in zip(_pair(layer), _pair(reference), strict=True)
+        )
+    return {"stable": stable, "correct": correct}
+
+
+def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict:
+    """Run baseline and lean side by side; returns the ``--json`` report (schema 1)."""
+    started = time.perf_counter()
+    geo = preset(cfg.preset).shard(cfg.tp, cfg.rank)
+    device = resolve_device(cfg.device)
+    if cfg.layers is not None and cfg.layers <= 0:
+        raise QualifyError(f"--layers must be positive, got {cfg.layers}")
+    fmt, per_layer = _sources(cfg, geo, progress)
+    lifecycle = LifecycleConfig(
+        release_source=cfg.release and not cfg.mha_prefill,
+        dense_mha_prefill=cfg.mha_prefill,
+        max_scratch_bytes=cfg.max_scratch_bytes,
+    )
+
+    _drop_cached_blocks(device)
+    base_layers = [build_layer(geo, t, device) for t in per_layer]
+    baseline = _phase(
+        base_layers, lambda lay: baseline_post_load(lay, ACT_DTYPE), device, progress, "baseline"
+    )
+    reference = [tuple(t.cpu() for t in _pair(layer)) for layer in base_layers]
+    del base_layers
+    _drop_cached_blocks(device)
+    lean_layers = [build_layer(geo, t, device) for t in per_layer]
+    reports = []
+    lean = _phase(
+        lean_layers,
+        lambda lay: reports.append(post_load(lay, ACT_DTYPE, lifecycle)),
+        device,
+        progress,
+        "lean",
+    )
+    errors = [
+        _max_abs_err(a.cpu(), b)
+        for layer, ref in zip(lean_layers, reference, strict=True)
+        for a, b in zip(_pair(layer), ref, strict=True)
+    ]
+    parity = max(errors)
+    bit_identical = all(
+        torch.equal(a.cpu(), b)
+        for layer, ref in zip(lean_layers, reference, strict=True)
+        for a, b in zip(_pair(layer), ref, strict=True)
+    )
+    idempotent = all(post_load(lay, ACT_DTYPE, lifecycle).action == "noop" for lay in lean_layers)
+    del reference
+    released = lifecycle.release_source and lean["source_bytes"] == 0
+    reload = _reload_check(lean_layers, geo, fmt, cfg, lifecycle, device, progress)
+
+    notes = []
+    if cfg.mha_prefill:
+        notes.append(MHA_PREFILL_NOTE)
+    elif not cfg.release:
+        notes.append(NO_RELEASE_NOTE)
+    plan = reports[0].plan
+    return {
+        "schema": SCHEMA,
+        "preset": cfg.preset,
+        "tp": cfg.tp,
+        "rank": cfg.rank,
+        "heads_per_rank": geo.num_heads,
+        "real_heads": geo.real_heads,
+        "layers": len(per_layer),
+        "weights": fmt,
+        "device": str(device),
+        "source": cfg.checkpoint or f"synthetic(seed={cfg.seed})",
+        "baseline": baseline,
+        "lean": lean,
+        "reclaimed_bytes": baseline["resident_bytes"] - lean["resident_bytes"],
+        "scratch_bound_bytes": plan.scratch_bound_bytes,
+        "heads_per_chunk": plan.heads_per_chunk,
+        "checks": {
+            "parity_max_abs_err": parity,
+            "parity_ok": bit_identical and parity == 0.0,
+            "source_released": released,
+            "reload_pointers_stable": reload["stable"],
+            "reload_values_correct": reload["correct"],
+            "regenerated_after_release": released and reload["correct"],
+            "postload_idempotent": idempotent,
+        },
+        "release_requested": lifecycle.release_source,
+        "notes": notes,
+        "elapsed_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def failed_checks(report: dict) -> list[str]:
+    """Names of the checks that apply to this run and did not pass."""
+    checks = report["checks"]
+    names = ["parity_ok", "reload_pointers_stable", "reload_values_correct", "postload_idempotent"]
+    if report["release_requested"]:
+        names += ["source_released", "regenerated_after_release"]
+    return [n for n in names if not checks[n]]
