@@ -157,6 +157,16 @@ def test_failed_check_exits_1(capsys, monkeypatch):
     assert code == 1 and report["checks"]["parity_ok"] is False
 
 
+def test_moved_pointers_fail_the_reload_check(capsys, monkeypatch):
+    from vllm_mla.weights import absorb
+
+    monkeypatch.setattr(absorb, "_incompatibility", lambda tensor, shape, plan: "forced")
+    code, report = run_json(capsys, *SMALL)
+    assert code == 1
+    assert report["checks"]["reload_pointers_stable"] is False
+    assert report["checks"]["parity_ok"] and report["checks"]["reload_values_correct"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -103,10 +103,13 @@ class AbsorptionPlan:
 
 @dataclass
 class AbsorbedState:
-    """What post-load last achieved on a layer (kept on the layer)."""
+    """What the last *successful* post-load left on a layer (kept on the layer).
+
+    ``fingerprint`` identifies the source it materialized from (None: never
+    succeeded), so a failed attempt is never mistaken for a finished one.
+    """
 
     fingerprint: tuple | None = None
-    complete: bool = False
     released: bool = False
 
 
@@ -235,18 +238,17 @@ def post_load(
     state = state_of(layer)
     source = sources.read_source(layer.kv_b_proj)
     if source is None:
-        if state.complete and state.released:
+        if state.fingerprint is not None and state.released:
             return PostLoadReport("noop")
         raise LifecycleError(
             "kv_b_proj holds no source tensors and this layer has no materialized absorbed "
             "pair: the weights must be loaded before post-load"
         )
-    if state.complete and state.fingerprint == source.fingerprint():
+    if state.fingerprint == source.fingerprint():
         return PostLoadReport("noop")
 
     plan = plan_absorption(layer, source, act_dtype, config)
     action = "reloaded" if state.fingerprint is not None else "materialized"
-    state.complete = False
     pair, actions = preallocate(layer, plan)
     try:
         materialize(pair, source, plan)
@@ -266,7 +268,6 @@ def post_load(
     del source
     after = sources.read_source(layer.kv_b_proj)
     state.fingerprint = after.fingerprint() if after is not None else ("released",)
-    state.complete = True
     return PostLoadReport(action, actions, released, plan)
 
 
