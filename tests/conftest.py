@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in Triton's CPU interpreter where there is no GPU; this must be
+# set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vllm_mla.geometry import MLAGeometry, RankGeometry
 from vllm_mla.weights.layer import MLALayer, build_layer, source_tensors, synthetic_weight

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU check of the decode query path, in one device call (< 8 minutes on an H200):
+# build the stable-ABI CUDA op, memcheck it, gate correctness, time with graph replay.
+#   run through the device tool:  bash benchmarks/gpu_check.sh   (writes under $OUT)
+#   anywhere else:                OUT=/tmp/qp bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+PY="${PYTHON:-python3}"
+step() { echo; echo "== $* ($(date +%T))"; }
+
+step machine
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+
+step "build the CUDA op (sm_90 only, for time)"
+rm -f vllm_mla/_C*.so
+VLLM_MLA_CUDA_ARCHS="${VLLM_MLA_CUDA_ARCHS:-90}" timeout 300 "$PY" setup.py build_ext --inplace \
+  > "$OUT/build.log" 2>&1
+echo "build exit $?"; tail -5 "$OUT/build.log"
+"$PY" -c "from vllm_mla.ops import query_bmm as q; print('cuda op loaded:', q.cuda_op_available(), q.cuda_op_error() or '')"
+
+step "compute-sanitizer memcheck (tensors at the end of their allocations)"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    "$PY" benchmarks/memcheck_query_bmm.py > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|rel err|error" "$OUT/memcheck.log" | tail -12
+else
+  echo "compute-sanitizer not found; running without it"
+  "$PY" benchmarks/memcheck_query_bmm.py
+fi
+
+step "correctness gate + CUDA-graph timing"
+timeout 420 "$PY" benchmarks/query_path.py --out "$OUT/query_path.json" 2>&1 | tee "$OUT/query_path.txt"
+echo "benchmark exit ${PIPESTATUS[0]}"

@@ -1,0 +1,255 @@
+"""Decode query path: staged (bmm + cat [+ quant]) vs safe op vs fused, per layer.
+
+Correctness gate first (fresh random inputs, poisoned outputs, the query placed at
+the end of its allocation), then CUDA-graph replay timing. Each graph replays
+``LAYERS`` calls, each on its own layer's weights (so the weights stream from HBM
+as in a real decode step, not from L2); per-layer time = replay time / LAYERS.
+Roofline: bytes of weight + q + out over the copy bandwidth measured in the same
+run. Prints a table and writes JSON (GPU, versions, commit, every figure).
+
+    python benchmarks/query_path.py [--out results.json] [--quick]
+    python benchmarks/query_path.py --smoke   # CPU: the gate only, Triton interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vllm_mla.ops import query_bmm  # noqa: E402
+from vllm_mla.ops.query_projection import (  # noqa: E402
+    MXFP8Weight,
+    can_fuse_query_projection,
+    mla_query_projection,
+    prewarm,
+    staged_query_projection,
+)
+from vllm_mla.quant import mxfp8  # noqa: E402
+
+L, R, V = 512, 64, 128
+LAYERS = 16
+MS, HS, PS = (1, 2, 4, 8, 16, 32), (8, 11, 16, 32), (128, 192)
+WEIGHTS, OUTS = ("bf16", "mxfp8"), (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def tail_view(shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+    """A contiguous tensor placed at the very end of its own allocation (over-reads fault)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    pad = 4096 // torch.empty((), dtype=dtype).element_size()
+    flat = torch.empty(numel + pad, dtype=dtype, device=device)
+    return flat[pad:].view(shape)
+
+
+def make_case(m, h, p, fmt, out_dtype, device, gen):
+    """Decode-shaped inputs: q at the end of its allocation, W_UK_T views of a kv_b pack."""
+    q = tail_view((m, h, p + R), torch.bfloat16, device)
+    q.copy_(torch.randn(m, h, p + R, generator=gen).to(device))
+    weights = []
+    for _ in range(LAYERS):
+        pack = (torch.randn(h, p + V, L, generator=gen) * 0.05).to(device)
+        if fmt == "mxfp8":
+            t = mxfp8.quantize(pack, axis=-1)
+            weights.append(MXFP8Weight(t.values[:, :p], t.scales[:, :p]))
+        else:
+            weights.append(pack.bfloat16()[:, :p])
+    out = torch.full((m, h, L + R), float("nan"), device=device).to(out_dtype)
+    scale = torch.tensor(0.05, device=device)
+    return q, weights, out, scale
+
+
+def check_case(m, h, p, fmt, out_dtype, device, gen) -> dict:
+    """Fused and safe op vs the staged reference on fresh inputs; poisoned outputs."""
+    q, weights, out, scale = make_case(m, h, p, fmt, out_dtype, device, gen)
+    w = weights[0]
+    ref = torch.full_like(out, float("nan"))
+    staged_query_projection(q[..., :p], w, q[..., p:], ref, q_scale=scale)
+    mla_query_projection(q[..., :p], w, q[..., p:], out, q_scale=scale)
+    result = {"written": not out.float().isnan().any().item()}
+    if out_dtype == torch.bfloat16:
+        diff = (out.float() - ref.float()).abs()
+        result["max_abs_diff"] = diff.max().item()
+        result["rel_err"] = (diff.norm() / ref.float().norm()).item()
+    else:
+        codes = out.view(torch.uint8).int() - ref.view(torch.uint8).int()
+        result["max_code_diff"] = codes.abs().max().item()
+    if fmt == "bf16":
+        qn = q[..., :p].transpose(0, 1)
+        got = torch.full((h, m, L), float("nan"), dtype=torch.bfloat16, device=device)
+        query_bmm.safe_mla_query_bmm(qn, w, got)
+        want = torch.bmm(qn.contiguous(), w.contiguous())
+        result["safe_rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        result["safe_written"] = not got.float().isnan().any().item()
+    ok = result["written"] and result.get("safe_written", True)
+    ok = ok and result.get("rel_err", 0.0) < 1e-2 and result.get("max_code_diff", 0) <= 1
+    result["ok"] = ok and result.get("safe_rel_err", 0.0) < 1e-2
+    return result
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    src = torch.randn(1 << 28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def graph_time_us(step, reps: int = 20) -> float:
+    """Median per-replay time (us) of a CUDA graph that runs ``step`` once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
+    q, weights, out, scale = make_case(m, h, p, fmt, out_dtype, device, gen)
+    qn, qp_ = q[..., :p], q[..., p:]
+    prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
+
+    def staged():
+        for w in weights:
+            staged_query_projection(qn, w, qp_, out, q_scale=scale)
+
+    def fused():
+        for w in weights:
+            mla_query_projection(qn, w, qp_, out, q_scale=scale)
+
+    row = {
+        "staged_us": graph_time_us(staged) / LAYERS,
+        "fused_us": graph_time_us(fused) / LAYERS,
+    }
+    if fmt == "bf16":
+        qt = qn.transpose(0, 1)
+        lat = torch.empty(h, m, L, dtype=torch.bfloat16, device=device)
+        q_copy = qt.contiguous()
+
+        def safe():
+            for w in weights:
+                query_bmm.safe_mla_query_bmm(qt, w, lat)
+
+        def bmm_contiguous():  # the copy is made once, outside: not counted
+            for w in weights:
+                torch.bmm(q_copy, w, out=lat)
+
+        row["safe_us"] = graph_time_us(safe) / LAYERS
+        row["bmm_contiguous_us"] = graph_time_us(bmm_contiguous) / LAYERS
+        row["safe_vs_bmm"] = row["safe_us"] / row["bmm_contiguous_us"]
+    w_bytes = h * p * L * (2 if fmt == "bf16" else 1) + (h * p * L // 32 if fmt == "mxfp8" else 0)
+    io_bytes = m * h * (p + R) * 2 + m * h * (L + R) * out.element_size()
+    row["roofline_us"] = (w_bytes + io_bytes) / bandwidth * 1e6
+    row["fused_vs_staged"] = row["staged_us"] / row["fused_us"]
+    row["fused_roofline_fraction"] = row["roofline_us"] / row["fused_us"]
+    return row
+
+
+def environment() -> dict:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    import triton
+
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda_op": query_bmm.cuda_op_available(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return env
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="query_path.json")
+    parser.add_argument("--quick", action="store_true", help="M in {1, 16}, H in {11, 16}")
+    parser.add_argument("--smoke", action="store_true", help="correctness gate only (CPU ok)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ms, hs = ((1, 16), (11, 16)) if args.quick or args.smoke else (MS, HS)
+    grid = list(itertools.product(ms, hs, PS, WEIGHTS, OUTS))
+    gen = torch.Generator().manual_seed(0)
+    report = {"env": environment(), "layers_per_graph": LAYERS, "checks": [], "timings": []}
+
+    failures = 0
+    for m, h, p, fmt, out_dtype in grid:
+        gated = can_fuse_query_projection(
+            num_heads=h,
+            max_m=m,
+            nope_dim=p,
+            latent_dim=L,
+            out_dtype=out_dtype,
+            weight_format=fmt,
+            device=device,
+        )
+        check = check_case(m, h, p, fmt, out_dtype, device, gen)
+        check.update(m=m, h=h, p=p, weights=fmt, out=str(out_dtype), fused=gated)
+        report["checks"].append(check)
+        failures += not check["ok"]
+    print(f"correctness: {len(grid) - failures}/{len(grid)} cases ok")
+    if failures or args.smoke or device.type != "cuda":
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        return 1 if failures else 0
+
+    bandwidth = copy_bandwidth(device)
+    report["copy_bandwidth_TBps"] = bandwidth / 1e12
+    header = f"{'M':>3} {'H':>3} {'P':>4} {'W':>6} {'out':>5} | {'staged':>7} {'safe':>7} "
+    header += f"{'bmm*':>7} {'fused':>7} | {'f/s':>5} {'s/b':>5} {'roof%':>6}"
+    lines = [header]
+    for m, h, p, fmt, out_dtype in grid:
+        row = time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth)
+        row.update(m=m, h=h, p=p, weights=fmt, out=str(out_dtype))
+        report["timings"].append(row)
+        lines.append(
+            f"{m:>3} {h:>3} {p:>4} {fmt:>6} {'e4m3' if out_dtype != torch.bfloat16 else 'bf16':>5}"
+            f" | {row['staged_us']:7.2f} {row.get('safe_us', float('nan')):7.2f}"
+            f" {row.get('bmm_contiguous_us', float('nan')):7.2f} {row['fused_us']:7.2f}"
+            f" | {row['fused_vs_staged']:5.2f} {row.get('safe_vs_bmm', float('nan')):5.2f}"
+            f" {100 * row['fused_roofline_fraction']:6.1f}"
+        )
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; per-layer microseconds, CUDA-graph replay")
+    print("f/s = staged/fused speedup; s/b = safe op / bmm on a contiguous query copy")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Every environment variable vllm-mla reads, in one place, typed.
+
+| variable | type | default | meaning |
+|---|---|---|---|
+| ``TRITON_INTERPRET`` | bool | off | Triton's own switch: run kernels in its CPU interpreter. Also lets the fused query projection run on CPU tensors (tests). |
+"""
+
+from __future__ import annotations
+
+import os
+
+TRUE = ("1", "true", "yes", "on")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in TRUE
+
+
+def triton_interpret() -> bool:
+    """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
+    return _flag("TRITON_INTERPRET")

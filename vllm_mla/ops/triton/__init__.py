@@ -1,0 +1,1 @@
+"""Triton kernels; imported only where Triton is installed."""

@@ -1,0 +1,119 @@
+"""Triton kernel: fused MLA query projection, ``out = [bf16(q_nope @ W) | q_pe]`` (+ FP8).
+
+One program per (head, column tile). Tiles ``0 .. L/BLOCK_L - 1`` compute
+``q_nope[:, h, :] @ W[h]`` with fp32 accumulation, round to BF16 and store the
+latent part; the last tile copies ``q_pe[:, h, :]``. With FP8 output every value
+(latent and rope) becomes ``e4m3(clamp(bf16_value / q_scale, -448, 448))``.
+
+The ``INTERPRET`` constexpr is on only under Triton's CPU interpreter, whose
+bf16 ``tl.dot`` and fp32 -> bf16 / fp8 casts are wrong (REFERENCE.md section 2);
+it swaps in exact fp32 dots and bit-level round-to-nearest-even. GPU code never
+takes those branches.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> bf16 with round-to-nearest-even done on the bits (interpreter only)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 in [-448, 448] -> float8_e4m3fn code, round-to-nearest-even (interpreter only)."""
+    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << 7
+    a = tl.abs(x)
+    # Below 2**-6 the grid is uniform (step 2**-9): adding 2**23 rounds to an integer,
+    # half to even, as every IEEE fp32 addition does.
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    bits = a.to(tl.uint32, bitcast=True)
+    # Keep 3 mantissa bits with RNE, then rebias the exponent from 127 to 7.
+    rounded = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20).to(tl.int32) - (120 << 3)
+    code = tl.where(a < 0.015625, sub, tl.minimum(rounded, 0x7E))
+    return (sign | code).to(tl.uint8)
+
+
+@triton.jit
+def _to_output(val, q_scale, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """bf16 values -> the output dtype (bf16, or e4m3 of value / q_scale)."""
+    if FP8_OUT:
+        x = tl.math.div_rn(val.to(tl.float32), q_scale)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        if INTERPRET:
+            return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)
+        return x.to(tl.float8e4nv)
+    return val
+
+
+@triton.jit(do_not_specialize=["M", "s_qm", "s_qh", "s_wh", "s_wk", "s_sh", "s_sk"])
+def mla_query_projection_kernel(
+    q_ptr,
+    w_ptr,
+    s_ptr,
+    pe_ptr,
+    out_ptr,
+    q_scale_ptr,
+    M,
+    s_qm,
+    s_qh,
+    s_wh,
+    s_wk,
+    s_sh,
+    s_sk,
+    s_pm,
+    s_ph,
+    s_om,
+    s_oh,
+    P: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    MXFP8: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows[:, None] < M
+    q_scale = tl.load(q_scale_ptr) if FP8_OUT else 1.0
+
+    if tile * BLOCK_L < L:
+        cols = tile * BLOCK_L + tl.arange(0, BLOCK_L)
+        acc = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)
+        for k0 in tl.static_range(0, P, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load(
+                q_ptr + rows[:, None] * s_qm + h * s_qh + ks[None, :], mask=row_ok, other=0.0
+            )
+            w_offs = h * s_wh + ks[:, None] * s_wk + cols[None, :]
+            w = tl.load(w_ptr + w_offs)
+            if MXFP8:
+                # E8M0 -> fp32 from the bits: exact, 0 -> 2**-127 (subnormal), 255 -> NaN.
+                code = tl.load(s_ptr + h * s_sh + ks[:, None] * s_sk + (cols // 32)[None, :])
+                code = code.to(tl.int32)
+                bits = tl.where(code == 0, 0x00400000, code << 23)
+                bits = tl.where(code == 255, 0x7FC00000, bits)
+                # e4m3 x 2**k fits bf16 exactly, as the staged path's dequant does.
+                w = (w.to(tl.float32) * bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+            if INTERPRET:
+                acc += tl.dot(q.to(tl.float32), w.to(tl.float32))
+            else:
+                acc += tl.dot(q, w)
+        val = _round_to_bf16(acc) if INTERPRET else acc.to(tl.bfloat16)
+        out = _to_output(val, q_scale, FP8_OUT, INTERPRET)
+        tl.store(out_ptr + rows[:, None] * s_om + h * s_oh + cols[None, :], out, mask=row_ok)
+    else:
+        cols = tl.arange(0, R)
+        pe = tl.load(pe_ptr + rows[:, None] * s_pm + h * s_ph + cols[None, :], mask=row_ok)
+        out = _to_output(pe, q_scale, FP8_OUT, INTERPRET)
+        tl.store(out_ptr + rows[:, None] * s_om + h * s_oh + L + cols[None, :], out, mask=row_ok)
