@@ -27,15 +27,15 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm_mla.ops import query_bmm  # noqa: E402
-from vllm_mla.ops.query_projection import (  # noqa: E402
+from vllm_mla.ops import query_bmm
+from vllm_mla.ops.query_projection import (
     MXFP8Weight,
     can_fuse_query_projection,
     mla_query_projection,
     prewarm,
     staged_query_projection,
 )
-from vllm_mla.quant import mxfp8  # noqa: E402
+from vllm_mla.quant import mxfp8
 
 L, R, V = 512, 64, 128
 LAYERS = 16

@@ -17,7 +17,7 @@ from vllm_mla.ops.query_projection import (
 from vllm_mla.quant import mxfp8
 
 pytest.importorskip("triton")
-from vllm_mla.ops.triton import launch  # noqa: E402
+from vllm_mla.ops.triton import launch
 
 L, R, V = 512, 64, 128
 

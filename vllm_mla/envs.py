@@ -1,8 +1,7 @@
 """Every environment variable vllm-mla reads, in one place, typed.
 
-| variable | type | default | meaning |
-|---|---|---|---|
-| ``TRITON_INTERPRET`` | bool | off | Triton's own switch: run kernels in its CPU interpreter. Also lets the fused query projection run on CPU tensors (tests). |
+``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
+CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
 """
 
 from __future__ import annotations

@@ -160,10 +160,10 @@ def can_fuse_query_projection(
     on_device = device.type == "cuda" or (device.type == "cpu" and envs.triton_interpret())
     if not (TRITON_AVAILABLE and on_device):
         return False
-    if out_dtype == torch.float8_e4m3fn and device.type == "cuda":
-        # Native e4m3 conversion (round to nearest even) needs SM89 or newer.
-        if torch.cuda.get_device_capability(device) < (8, 9):
-            return False
+    # Native e4m3 conversion (round to nearest even) needs SM89 or newer.
+    fp8_on_cuda = out_dtype == torch.float8_e4m3fn and device.type == "cuda"
+    if fp8_on_cuda and torch.cuda.get_device_capability(device) < (8, 9):
+        return False
     return (
         num_heads in FUSED_HEADS
         and 1 <= max_m <= FUSED_MAX_M
