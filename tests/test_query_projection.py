@@ -116,6 +116,36 @@ def test_fp8_saturates_and_rounds_ties_to_even():
     assert got[:4].tolist() == [1.0, 1.25, 448.0, -448.0]
 
 
+def test_fp8_divides_by_q_scale_exactly():
+    """-0.0888671875 / 7 is a tie in e4m3's subnormal range (found by search): division
+    rounds it to -0.01171875, a multiply by fl(1/7) to -0.013671875."""
+    q_nope, w, q_pe, out = make_inputs(1, 1, 128, "bf16", out_dtype=torch.float8_e4m3fn)
+    q_pe[0, 0, 0] = -0.0888671875
+    mla_query_projection(q_nope, w, q_pe, out, q_scale=torch.tensor(7.0))
+    assert out[0, 0, L].float().item() == -0.01171875
+
+
+def test_mxfp8_extreme_scale_codes():
+    """Scale code 0 is 2**-127 (not 0) and 255 is NaN, as the codec decodes them."""
+    h, p = 1, 128
+    t = mxfp8.quantize(torch.ones(h, p, L), axis=-1)
+    scales = t.scales.clone()
+    scales[0, 3, 0] = 0  # row 3, first 32 columns: 256 (the e4m3 value) * 2**-127
+    scales[0, 5, 1] = 255  # row 5, columns 32..63: NaN
+    weight = MXFP8Weight(t.values, scales)
+    q = torch.zeros(2, h, p + R, dtype=torch.bfloat16)
+    q[0, 0, 3] = 1.0  # selects row 3
+    q[1, 0, 5] = 1.0  # selects row 5
+    out = torch.empty(2, h, L + R, dtype=torch.bfloat16)
+    mla_query_projection(q[..., :p], weight, q[..., p:], out)
+    assert out[0, 0, :32].float().eq(2.0**-119).all()
+    # NaN columns poison every row (0 * NaN), exactly as the staged bmm does.
+    assert out[:, 0, 32:64].float().isnan().all() and not out[:, 0, :32].float().isnan().any()
+    ref = torch.empty_like(out)
+    staged_query_projection(q[..., :p], weight, q[..., p:], ref)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+
+
 def count_paths(monkeypatch):
     calls = {"fused": 0, "staged": 0}
     real_fused, real_staged = launch.fused_query_projection, qp._staged

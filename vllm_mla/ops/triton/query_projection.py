@@ -27,7 +27,7 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _e4m3_bits(x):
-    """fp32 in [-448, 448] -> float8_e4m3fn code, round-to-nearest-even (interpreter only)."""
+    """fp32 -> float8_e4m3fn code, round-to-nearest-even, saturating at +-448 (interpreter only)."""
     sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << 7
     a = tl.abs(x)
     # Below 2**-6 the grid is uniform (step 2**-9): adding 2**23 rounds to an integer,
@@ -45,9 +45,10 @@ def _to_output(val, q_scale, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
     """bf16 values -> the output dtype (bf16, or e4m3 of value / q_scale)."""
     if FP8_OUT:
         x = tl.math.div_rn(val.to(tl.float32), q_scale)
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         if INTERPRET:
-            return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)
+            return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)  # saturates to +-448
+        # Saturate explicitly: overflow behaviour of the cast is not Triton's contract.
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         return x.to(tl.float8e4nv)
     return val
 
