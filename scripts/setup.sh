@@ -2,7 +2,7 @@
 # Creates (or refreshes) the project environment in .venv at the repository root.
 #   bash scripts/setup.sh          runtime: torch, safetensors, rich, vllm-mla (editable)
 #   bash scripts/setup.sh --test   the same plus pytest and ruff
-# Idempotent: a second run reinstalls nothing unless pyproject.toml changed.
+# Idempotent: a second run reinstalls nothing unless pyproject.toml, setup.py or csrc/ changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,9 +25,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 
 stamp=".venv/.vllm-mla-installed${extras}"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py csrc/* | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-  "${pip[@]}" install -e ".${extras}"
+  # No build isolation: setup.py must see the installed torch to decide on the CUDA op.
+  "${pip[@]}" install "setuptools>=68" wheel
+  "${pip[@]}" install --no-build-isolation -e ".${extras}"
   .venv/bin/python -c "import vllm_mla.cli" # fail here, not later, if the install broke
   echo "$want" > "$stamp"
 fi

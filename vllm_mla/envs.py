@@ -2,6 +2,10 @@
 
 ``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
 CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
+
+Build time only, read by setup.py (which cannot import the package):
+``VLLM_MLA_CUDA_ARCHS`` (e.g. ``"90;120"``, default sm_80/86/89/90/100/120): the GPU
+architectures the CUDA op is compiled for.
 """
 
 from __future__ import annotations
