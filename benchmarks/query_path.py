@@ -28,6 +28,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vllm_mla.ops import query_bmm
+from vllm_mla.ops import query_projection as qp_mod
 from vllm_mla.ops.query_projection import (
     MXFP8Weight,
     can_fuse_query_projection,
@@ -141,8 +142,11 @@ def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
     qn, qp_ = q[..., :p], q[..., p:]
     prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
 
+    # Upstream keeps a BF16 W_UK_T even for an MXFP8 checkpoint: staged reads that.
+    staged_weights = [qp_mod._bf16_weight(w).contiguous() for w in weights]
+
     def staged():
-        for w in weights:
+        for w in staged_weights:
             staged_query_projection(qn, w, qp_, out, q_scale=scale)
 
     def fused():
