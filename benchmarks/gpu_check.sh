@@ -32,6 +32,26 @@ else
   "$PY" benchmarks/memcheck_query_bmm.py
 fi
 
+if command -v compute-sanitizer >/dev/null; then
+  for tool in racecheck synccheck; do
+    step "compute-sanitizer $tool (cp.async ring, shared memory)"
+    timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      "$PY" benchmarks/memcheck_query_bmm.py > "$OUT/$tool.log" 2>&1
+    echo "$tool exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -3
+  done
+fi
+
+step "vllm-mla qualify on the GPU (allocator peaks and holes, baseline vs lean)"
+timeout 180 "$PY" -m vllm_mla.cli qualify --device cuda --json > "$OUT/qualify_cuda.json"
+echo "qualify exit $?"
+"$PY" - "$OUT/qualify_cuda.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for side in ("baseline", "lean"):
+    print(side, {k: v for k, v in r[side].items()})
+print("reclaimed", r["reclaimed_bytes"], "checks", r["checks"])
+PY
+
 step "correctness gate + CUDA-graph timing"
 timeout 420 "$PY" benchmarks/query_path.py --out "$OUT/query_path.json" 2>&1 | tee "$OUT/query_path.txt"
 echo "benchmark exit ${PIPESTATUS[0]}"

@@ -99,6 +99,44 @@ def check_case(m, h, p, fmt, out_dtype, device, gen) -> dict:
     return result
 
 
+def check_graph_replay(m, h, p, fmt, out_dtype, device, gen) -> dict:
+    """Capture fused + safe op once, then replay on fresh inputs copied into the captured
+    buffers: every replay must match an eager staged run on those same inputs."""
+    q, weights, out, scale = make_case(m, h, p, fmt, out_dtype, device, gen)
+    w = weights[0]
+    qn, qp_ = q[..., :p], q[..., p:]
+    prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
+    latent = torch.empty(h, m, L, dtype=torch.bfloat16, device=device)
+    safe = fmt == "bf16"
+
+    def step():
+        mla_query_projection(qn, w, qp_, out, q_scale=scale)
+        if safe:
+            query_bmm.safe_mla_query_bmm(qn.transpose(0, 1), w, latent)
+
+    step()  # eager warm-up (compiles) outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fused_diff = safe_err = 0.0
+    for _ in range(3):
+        q.copy_(torch.randn(q.shape, generator=gen).to(device))
+        out.fill_(float("nan"))
+        latent.fill_(float("nan"))
+        graph.replay()
+        ref = torch.empty_like(out)
+        staged_query_projection(qn, w, qp_, ref, q_scale=scale)
+        fused_diff = max(fused_diff, (out.float() - ref.float()).abs().max().item())
+        if safe:
+            want = torch.bmm(qn.transpose(0, 1).contiguous(), w.contiguous()).float()
+            err = ((latent.float() - want).norm() / want.norm()).item()
+            safe_err = max(safe_err, err)
+    # bf16 outputs of O(1): a stale or wrong replay is off by O(1), rounding by ~1e-2.
+    ok = fused_diff < 0.25 and safe_err < 1e-2  # NaN (unwritten) fails both comparisons
+    return {"fused_max_abs_diff": fused_diff, "safe_rel_err": safe_err, "ok": ok}
+
+
 def copy_bandwidth(device) -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
     src = torch.randn(1 << 28, device=device)  # 1 GiB
@@ -227,7 +265,14 @@ def main() -> int:
         check.update(m=m, h=h, p=p, weights=fmt, out=str(out_dtype), fused=gated)
         report["checks"].append(check)
         failures += not check["ok"]
-    print(f"correctness: {len(grid) - failures}/{len(grid)} cases ok")
+    if device.type == "cuda":
+        for m, h, p, fmt in [(1, 11, 128, "bf16"), (16, 16, 192, "mxfp8"), (32, 8, 128, "bf16")]:
+            replay = check_graph_replay(m, h, p, fmt, torch.bfloat16, device, gen)
+            replay.update(m=m, h=h, p=p, weights=fmt, graph_replay=True)
+            report["checks"].append(replay)
+            failures += not replay["ok"]
+            print(f"graph replay M={m} H={h} P={p} {fmt}: {replay}")
+    print(f"correctness: {len(report['checks']) - failures}/{len(report['checks'])} cases ok")
     if failures or args.smoke or device.type != "cuda":
         Path(args.out).write_text(json.dumps(report, indent=2))
         return 1 if failures else 0
