@@ -17,6 +17,7 @@ layer for a full retry. Running it again with nothing new is a no-op.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -83,7 +84,7 @@ class AbsorptionPlan:
     dtype: torch.dtype
     device: torch.device
     heads_per_chunk: int
-    scratch_bound_bytes: int
+    scratch_bound_bytes: int | None  # None: an external dequant, not bounded here
 
     @property
     def shapes(self) -> dict[str, tuple[int, int, int]]:
@@ -145,7 +146,10 @@ def plan_absorption(
             f"kv_b_proj.weight shape {source.shape} does not match the layer geometry: "
             f"expected {expected} = (num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)"
         )
-    per_head = (p + v) * source.scratch_bytes_per_row()
+    per_row = source.scratch_bytes_per_row()
+    if per_row is None:  # external dequant: one chunk, no bound we can promise
+        return AbsorptionPlan(n, p, v, lat, act_dtype, resolve_device(layer.kv_b_proj), n, None)
+    per_head = (p + v) * per_row
     if per_head > config.max_scratch_bytes:
         raise LifecycleError(
             f"max_scratch_bytes={config.max_scratch_bytes} is below the {per_head} bytes one "
@@ -231,12 +235,18 @@ def post_load(
     layer: nn.Module,
     act_dtype: torch.dtype = torch.bfloat16,
     config: LifecycleConfig | None = None,
+    *,
+    reader: Callable[[nn.Module], KVBSource | None] = sources.read_source,
 ) -> PostLoadReport:
-    """Run the lean lifecycle on ``layer``; see the module docstring for the guarantees."""
+    """Run the lean lifecycle on ``layer``; see the module docstring for the guarantees.
+
+    ``reader`` turns ``layer.kv_b_proj`` into a source (None when released); the vLLM
+    integration passes one that knows vLLM's quant methods.
+    """
     config = config or LifecycleConfig()
     config.check_release()
     state = state_of(layer)
-    source = sources.read_source(layer.kv_b_proj)
+    source = reader(layer.kv_b_proj)
     if source is None:
         if state.fingerprint is not None and state.released:
             return PostLoadReport("noop")
@@ -266,7 +276,7 @@ def post_load(
         released = sources.release(source, layer.kv_b_proj)
     state.released = config.release_source
     del source
-    after = sources.read_source(layer.kv_b_proj)
+    after = reader(layer.kv_b_proj)
     state.fingerprint = after.fingerprint() if after is not None else ("released",)
     return PostLoadReport(action, actions, released, plan)
 
@@ -298,12 +308,15 @@ def _upstream_dequantize(source: KVBSource) -> torch.Tensor:
     weight = source.weight
     if source.fmt == "dense":
         return weight
+    if source.fmt == "external":
+        return source.dequantize_rows(0, source.shape[0])
     rows, cols = source.shape
+    scale = source.tensors[1]
     if source.fmt == "fp8-block":
-        scale = source.module.weight_scale_inv.repeat_interleave(FP8_BLOCK, 0)
-        scale = scale.repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+        scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        scale = scale[:rows, :cols]
     else:
-        codes = source.module.weight_scale.view(torch.uint8)
+        codes = scale.view(torch.uint8)
         scale = mxfp8.decode_scales(codes).repeat_interleave(mxfp8.BLOCK_SIZE, 1)
     return weight.to(torch.float32) * scale
 

@@ -11,6 +11,7 @@ loaders) so the loader can fill it again on reload.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from vllm_mla.quant import fp8_block, mxfp8
 
-SourceFormat = Literal["dense", "fp8-block", "mxfp8"]
+SourceFormat = Literal["dense", "fp8-block", "mxfp8", "external"]
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,15 +48,23 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
 
 @dataclass
 class KVBSource:
-    """The checkpoint tensors of one kv_b_proj, in one of the supported formats."""
+    """The checkpoint tensors of one kv_b_proj, in one of the supported formats.
+
+    ``names[0]`` is the weight; for block FP8 and MXFP8 ``names[1]`` is its scale.
+    ``external`` sources (a quant method only its owner can decode) carry a
+    ``dequant`` callable returning the whole ``external_shape`` = ``[out, in]``
+    weight; they are materialized in one chunk, with no scratch bound.
+    """
 
     fmt: SourceFormat
     module: nn.Module
     names: tuple[str, ...]
+    dequant: Callable[[], torch.Tensor] | None = None
+    external_shape: tuple[int, int] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
-        return _tensor(self.module, "weight")
+        return _tensor(self.module, self.names[0])
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -63,7 +72,8 @@ class KVBSource:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
+        """``[out, in]`` of the dequantized weight."""
+        return self.external_shape or tuple(self.weight.shape)
 
     @property
     def device(self) -> torch.device:
@@ -85,24 +95,35 @@ class KVBSource:
         """
         if self.fmt == "dense":
             return self.weight[start:stop]
+        if self.fmt == "external":
+            full = self.dequant()
+            if tuple(full.shape) != self.shape:
+                raise SourceError(
+                    f"kv_b_proj dequantized to {tuple(full.shape)}, expected {self.shape}"
+                )
+            return full[start:stop]
+        scale = _tensor(self.module, self.names[1])
         if self.fmt == "fp8-block":
-            packed = fp8_block.FP8BlockTensor(self.weight, _tensor(self.module, "weight_scale_inv"))
+            packed = fp8_block.FP8BlockTensor(self.weight, scale)
             return fp8_block.dequantize(packed, torch.float32, rows=slice(start, stop))
-        scales = _tensor(self.module, "weight_scale")
+        scales = scale
         if scales.dtype != torch.uint8:
             scales = scales.view(torch.uint8)
         packed = mxfp8.MXFP8Tensor(self.weight, scales, axis=1)
         return mxfp8.dequantize(packed.narrow(0, start, stop - start), torch.float32)
 
-    def scratch_bytes_per_row(self) -> int:
+    def scratch_bytes_per_row(self) -> int | None:
         """Upper bound of allocator bytes one dequantized row needs while in flight.
 
-        Dense: 0 (views). Quantized: the codecs widen the values to fp32 and scale
-        them in place (4 bytes per element), plus gathered per-block scales and
-        their indices (at most 12 bytes per 32 elements) and a little slack.
+        Dense: 0 (views). External: None (unbounded). Quantized: the codecs widen
+        the values to fp32 and scale them in place (4 bytes per element), plus
+        gathered per-block scales and their indices (at most 12 bytes per 32
+        elements) and a little slack.
         """
         if self.fmt == "dense":
             return 0
+        if self.fmt == "external":
+            return None  # the owner's dequant decides; not bounded by us
         cols = self.shape[1]
         return 4 * cols + 12 * -(-cols // mxfp8.BLOCK_SIZE) + 64
 
