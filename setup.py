@@ -50,6 +50,8 @@ def find_nvcc() -> str | None:
 
 def cuda_build_decision() -> tuple[bool, str]:
     """(build the CUDA extension?, why). Never raises: no CUDA means a pure-Python install."""
+    if os.environ.get("VLLM_MLA_CUDA_ARCHS", "").strip().lower() == "none":
+        return False, "VLLM_MLA_CUDA_ARCHS=none"
     try:
         import torch
     except ImportError:

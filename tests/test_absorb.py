@@ -232,6 +232,17 @@ def test_in_place_weight_update_is_seen_as_new(geo):
     assert torch.equal(layer.W_UK_T, reference_pair(geo, "bf16", seed=5)[0])
 
 
+def test_writes_through_data_need_refresh(geo):
+    """Loaders that write through .data (vLLM's reload) bypass the version counter."""
+    layer = make_layer(geo, "bf16")
+    post_load(layer, torch.bfloat16)
+    fresh = make_layer(geo, "bf16", seed=6).kv_b_proj.weight
+    layer.kv_b_proj.weight.data.copy_(fresh)
+    assert post_load(layer, torch.bfloat16).action == "noop"
+    assert post_load(layer, torch.bfloat16, refresh=True).action == "reloaded"
+    assert torch.equal(layer.W_UK_T, reference_pair(geo, "bf16", seed=6)[0])
+
+
 @pytest.mark.parametrize("config", [LifecycleConfig(), RELEASE], ids=["keep", "release"])
 def test_post_load_twice_is_a_no_op(geo, config):
     layer = make_layer(geo, "mxfp8")

@@ -83,6 +83,11 @@ def test_stable_abi_target_follows_the_torch_we_build_against(version, target):
     assert f"-DTORCH_TARGET_VERSION={target}" in SETUP["defines"](version)[0]
 
 
+def test_cuda_op_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_CUDA_ARCHS", "none")
+    assert SETUP["cuda_build_decision"]() == (False, "VLLM_MLA_CUDA_ARCHS=none")
+
+
 def test_torch_without_the_stable_abi_is_refused():
     with pytest.raises(RuntimeError, match="predates"):
         SETUP["defines"]("2.9.1")

@@ -212,14 +212,20 @@ def materialize(pair: dict, source: KVBSource, plan: AbsorptionPlan) -> None:
 
 
 def _bind(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Register ``tensor`` as the parameter ``name`` (vLLM expects nn.Parameters here)."""
-    if layer._parameters.get(name) is tensor:
+    """Make ``tensor`` the storage of parameter ``name`` (vLLM expects nn.Parameters here).
+
+    An existing Parameter object is kept and rebound, as vLLM's replace_parameter does,
+    so references held by the reload machinery (and its loader attributes) survive.
+    """
+    current = layer._parameters.get(name)
+    if current is tensor:
+        return
+    if isinstance(current, nn.Parameter):
+        current.data = tensor
         return
     layer.__dict__.pop(name, None)
     layer._buffers.pop(name, None)
-    if not isinstance(tensor, nn.Parameter):
-        tensor = nn.Parameter(tensor, requires_grad=False)
-    layer._parameters[name] = tensor
+    layer._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
 
 def state_of(layer: nn.Module) -> AbsorbedState:
@@ -237,11 +243,14 @@ def post_load(
     config: LifecycleConfig | None = None,
     *,
     reader: Callable[[nn.Module], KVBSource | None] = sources.read_source,
+    refresh: bool = False,
 ) -> PostLoadReport:
     """Run the lean lifecycle on ``layer``; see the module docstring for the guarantees.
 
     ``reader`` turns ``layer.kv_b_proj`` into a source (None when released); the vLLM
-    integration passes one that knows vLLM's quant methods.
+    integration passes one that knows vLLM's quant methods. ``refresh`` re-materializes
+    whenever a source is present, for callers whose loaders write through ``.data``
+    (invisible to the version counter the no-op check reads), as vLLM's reload does.
     """
     config = config or LifecycleConfig()
     config.check_release()
@@ -254,7 +263,7 @@ def post_load(
             "kv_b_proj holds no source tensors and this layer has no materialized absorbed "
             "pair: the weights must be loaded before post-load"
         )
-    if state.fingerprint == source.fingerprint():
+    if not refresh and state.fingerprint == source.fingerprint():
         return PostLoadReport("noop")
 
     plan = plan_absorption(layer, source, act_dtype, config)

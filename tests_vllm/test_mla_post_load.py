@@ -1,0 +1,135 @@
+"""The lifecycle patch inside vLLM's real MLAAttention (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import mla_layer
+from vllm.model_executor.layers.attention import mla_attention
+
+from vllm_mla.weights import ReleaseRefusedError
+
+STOCK = mla_attention.MLAAttention.process_weights_after_loading
+
+
+@pytest.fixture(autouse=True)
+def _quiet_default_scales(monkeypatch):
+    # vLLM's own CPU test stubs this too: it needs a real vllm_config.
+    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+
+
+def pair(layer):
+    return layer.W_UK_T, layer.W_UV
+
+
+def upstream_pair(fmt, seed=0):
+    layer = mla_layer(fmt, seed)
+    with torch.no_grad():
+        STOCK(layer, torch.bfloat16)
+    return pair(layer)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("backend", [None, "B12X_MLA_SPARSE"])
+def test_pair_is_bit_identical_to_upstream(registered, fmt, backend):
+    layer = mla_layer(fmt, backend=backend, dense_prefill=backend is None)
+    with torch.no_grad():
+        layer.process_weights_after_loading(torch.bfloat16)
+    for ours, theirs in zip(pair(layer), upstream_pair(fmt), strict=True):
+        assert isinstance(ours, torch.nn.Parameter)
+        assert torch.equal(ours, theirs)
+    if fmt == "fp8-block" or backend:  # the lifecycle owned it: contiguous pair
+        assert all(t.is_contiguous() for t in pair(layer))
+
+
+def test_bf16_kept_goes_to_upstream_untouched(registered):
+    layer = mla_layer("bf16")
+    with torch.no_grad():
+        layer.process_weights_after_loading(torch.bfloat16)
+    # upstream's pair aliases the BF16 source: no copy at all
+    assert layer.W_UK_T.untyped_storage().data_ptr() == (
+        layer.kv_b_proj.weight.untyped_storage().data_ptr()
+    )
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_post_load_twice_with_new_weights_keeps_addresses(registered, fmt):
+    layer = mla_layer(fmt)  # an upstream backend: the source stays and is rewritten in place
+    with torch.no_grad():
+        layer.process_weights_after_loading(torch.bfloat16)
+        before = [t.data_ptr() for t in pair(layer)]
+        fresh = mla_layer(fmt, seed=1).kv_b_proj
+        for name, param in layer.kv_b_proj.named_parameters():
+            param.copy_(getattr(fresh, name))
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert [t.data_ptr() for t in pair(layer)] == before
+    for ours, theirs in zip(pair(layer), upstream_pair(fmt, seed=1), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_release_only_with_the_capability(registered):
+    kept = mla_layer("fp8-block", backend="FLASHMLA")
+    released = mla_layer("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=False)
+    with torch.no_grad():
+        kept.process_weights_after_loading(torch.bfloat16)
+        released.process_weights_after_loading(torch.bfloat16)
+    assert kept.kv_b_proj.weight.numel() > 0
+    assert released.kv_b_proj.weight.numel() == 0
+    assert released.kv_b_proj.weight_scale_inv.numel() == 0
+    assert hasattr(released.kv_b_proj.weight, "weight_loader")  # reloadable
+    for ours, theirs in zip(pair(released), upstream_pair("fp8-block"), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_release_is_refused_with_a_dense_mha_prefill_backend(registered):
+    layer = mla_layer("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=True)
+    with pytest.raises(ReleaseRefusedError, match="MHA prefill"), torch.no_grad():
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert layer.kv_b_proj.weight.numel() > 0
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["is_amx_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled", "is_aiter_triton_fp8_bmm_enabled"],
+)
+def test_own_bmm_paths_are_delegated_untouched(flag):
+    from vllm_mla.vllm.patches.mla_post_load import make_process_weights_after_loading
+
+    calls = []
+    patched = make_process_weights_after_loading(lambda layer, dtype: calls.append((layer, dtype)))
+    layer = mla_layer("fp8-block")
+    setattr(layer, flag, True)
+    patched(layer, torch.bfloat16)
+    assert calls == [(layer, torch.bfloat16)] and not hasattr(layer, "W_UK_T")
+    generic = mla_layer("fp8-block")
+    with torch.no_grad():
+        patched(generic, torch.bfloat16)
+    assert len(calls) == 1 and generic.W_UK_T.is_contiguous()
+
+
+def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
+    """Drive vLLM's own layerwise reload: record, initialize, load, finalize."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader import reload
+
+    model = torch.nn.Module()
+    model.attn = mla_layer("fp8-block")
+    # The linear's own post-load needs a full vllm_config; in this plain block-FP8
+    # configuration it leaves weight and scales as they are, so stand in for it.
+    model.attn.kv_b_proj.quant_method.process_weights_after_loading = lambda layer: None
+    with torch.no_grad():
+        model.attn.process_weights_after_loading(torch.bfloat16)
+    before = [t.data_ptr() for t in pair(model.attn)]
+    reload.record_metadata_for_reloading(model)
+    reload.initialize_layerwise_reload(model)
+    fresh = mla_layer("fp8-block", seed=2).kv_b_proj
+    kv_b = model.attn.kv_b_proj
+    with torch.no_grad():
+        for name in ("weight", "weight_scale_inv"):
+            param = getattr(kv_b, name)
+            param.weight_loader(param, getattr(fresh, name))
+        reload.finalize_layerwise_reload(model, SimpleNamespace(dtype=torch.bfloat16))
+    assert [t.data_ptr() for t in pair(model.attn)] == before
+    for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=2), strict=True):
+        assert torch.equal(ours, theirs)

@@ -1,0 +1,116 @@
+"""The plugin and its patch registry against the installed vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import vllm
+from vllm.model_executor.layers.attention import mla_attention
+
+from vllm_mla.vllm import patches, plugin
+
+STOCK = mla_attention.MLAAttention.process_weights_after_loading
+
+
+def current():
+    return mla_attention.MLAAttention.process_weights_after_loading
+
+
+def test_installed_vllm_is_supported():
+    assert patches.supported(vllm.__version__)
+
+
+def test_register_patches_the_lifecycle_target(registered):
+    assert registered == {"lifecycle": "applied MLAAttention.process_weights_after_loading"}
+    assert current() is not STOCK and current().__wrapped__ is STOCK
+
+
+def test_register_twice_patches_once(registered):
+    first = current()
+    plugin._result = None  # as if a second process-level call came in fresh
+    assert plugin.register() == registered
+    assert current() is first and current().__wrapped__ is STOCK
+
+
+def test_disabled_by_env_leaves_vllm_untouched(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA", "0")
+    plugin.reset()
+    assert plugin.register() == {}
+    assert current() is STOCK
+
+
+def test_feature_selection(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_FEATURES", "bogus")
+    plugin.reset()
+    result = plugin.register()
+    assert current() is STOCK and "unknown feature" in result["bogus"]
+
+
+def test_renamed_target_skips_the_feature_with_a_warning(monkeypatch, caplog):
+    renamed = dataclasses.replace(patches.PATCHES[0], qualname="MLAAttention.renamed_post_load")
+    monkeypatch.setattr(patches, "PATCHES", (renamed,))
+    plugin.reset()
+    with caplog.at_level(logging.WARNING, logger="vllm_mla"):
+        result = plugin.register()
+    assert result["lifecycle"].startswith("skipped:") and "renamed_post_load" in caplog.text
+    assert current() is STOCK
+
+
+def test_changed_signature_skips_the_feature(monkeypatch):
+    other = dataclasses.replace(patches.PATCHES[0], params=("self", "act_dtype", "extra"))
+    monkeypatch.setattr(patches, "PATCHES", (other,))
+    plugin.reset()
+    assert "expected parameters" in plugin.register()["lifecycle"]
+    assert current() is STOCK
+
+
+def test_missing_helper_skips_the_feature(monkeypatch):
+    other = dataclasses.replace(patches.PATCHES[0], requires=("no_such_helper",))
+    monkeypatch.setattr(patches, "PATCHES", (other,))
+    plugin.reset()
+    assert "no_such_helper" in plugin.register()["lifecycle"]
+    assert current() is STOCK
+
+
+def test_a_feature_applies_all_or_none(monkeypatch):
+    good = patches.PATCHES[0]
+    bad = dataclasses.replace(good, name="other", qualname="MLAAttention.missing")
+    monkeypatch.setattr(patches, "PATCHES", (good, bad))
+    plugin.reset()
+    assert plugin.register()["lifecycle"].startswith("skipped:")
+    assert current() is STOCK
+
+
+def test_unsupported_vllm_applies_nothing_and_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(patches, "_warned_version", False)
+    with caplog.at_level(logging.WARNING, logger="vllm_mla"):
+        first = patches.apply(frozenset({"lifecycle"}))
+        patches.apply(frozenset({"lifecycle"}))
+    assert first == {"lifecycle": "skipped: vLLM 0.99.0 unsupported"}
+    assert caplog.text.count("not one of") == 1 and current() is STOCK
+
+
+def test_registry_modules_docs_and_targets_agree():
+    folder = Path(patches.__file__).parent
+    files = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert files == {p.name for p in patches.PATCHES}
+    for patch in patches.PATCHES:
+        assert patch.name in patches.__doc__ and patch.qualname.split(".")[-1] in patches.__doc__
+        patches.resolve(patch)  # target exists with the expected parameters
+        module = (folder / f"{patch.name}.py").read_text()
+        assert patch.qualname.split(".")[0] in module.split('"""')[1]  # documented in the file
+        for word in ("Target", "Why", "How", "Removal"):
+            assert f"{word}:" in module.split('"""')[1]
+
+
+def test_entry_point_is_declared():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {
+        "vllm_mla": "vllm_mla.vllm.plugin:register"
+    }

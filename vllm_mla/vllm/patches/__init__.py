@@ -1,0 +1,164 @@
+"""Registry of vLLM monkeypatches; applied by ``apply()``, never on import.
+
+Each patch is one module here and one ``Patch`` entry below (a test checks that
+the two agree and that every target exists in the installed vLLM):
+
+``mla_post_load`` (feature ``lifecycle``, vLLM 0.32 and 0.33)
+    target: ``vllm.model_executor.layers.attention.mla_attention``
+    ``.MLAAttention.process_weights_after_loading``
+    why: upstream keeps a quantized kv_b_proj and a BF16 copy of it, built after
+    dequant scratch has churned the allocator (holes)
+    removal: when upstream preallocates the absorbed pair, bounds its scratch and
+    releases sources by backend capability
+
+Rules: a patch applies only if its target exists with the expected parameters;
+a feature's patches apply all or none; an unsupported vLLM version applies
+nothing (one warning). ``apply`` is idempotent; ``revert`` undoes everything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger("vllm_mla")
+
+SUPPORTED_VLLM = ("0.32", "0.33")
+MARK = "__vllm_mla_patch__"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One monkeypatch: where it goes, why, and how to build the replacement."""
+
+    name: str
+    feature: str
+    module: str
+    qualname: str
+    params: tuple[str, ...]
+    versions: tuple[str, ...]
+    why: str
+    how: str
+    removal: str
+    factory: str  # "module:function" returning the replacement given the original
+    requires: tuple[str, ...] = ()  # other names the replacement uses from ``module``
+
+    def build(self, original: Callable) -> Callable:
+        mod, func = self.factory.split(":")
+        replacement = getattr(importlib.import_module(mod), func)(original)
+        setattr(replacement, MARK, self.name)
+        replacement.__wrapped__ = original
+        return replacement
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="mla_post_load",
+        feature="lifecycle",
+        module="vllm.model_executor.layers.attention.mla_attention",
+        qualname="MLAAttention.process_weights_after_loading",
+        params=("self", "act_dtype"),
+        versions=SUPPORTED_VLLM,
+        why="upstream keeps the quantized kv_b_proj and a BF16 copy, allocated after "
+        "dequant scratch has churned the allocator",
+        how="runs vllm_mla.weights.post_load (preallocate, bounded chunks, capability-gated "
+        "release) for the generic absorbed path; AMX, aiter and BF16-kept layers go to the "
+        "original untouched",
+        removal="when upstream MLA post-load preallocates the pair, bounds dequant scratch and "
+        "releases kv_b_proj by backend capability",
+        factory="vllm_mla.vllm.patches.mla_post_load:make_process_weights_after_loading",
+        requires=(
+            "get_dcp_group",
+            "resolve_quant_method",
+            "should_load_quant_weights",
+            "set_default_quant_scales",
+        ),
+    ),
+)
+
+_applied: dict[str, tuple[object, str, Callable]] = {}
+_warned_version = False
+
+
+class TargetMissing(LookupError):
+    """A patch target is absent or has another signature in the installed vLLM."""
+
+
+def resolve(patch: Patch) -> tuple[object, str, Callable]:
+    """(owner, attribute, current function) of ``patch``'s target, or TargetMissing."""
+    try:
+        owner = importlib.import_module(patch.module)
+    except ImportError as exc:
+        raise TargetMissing(f"{patch.module} cannot be imported ({exc})") from None
+    for name in patch.requires:
+        if not hasattr(owner, name):
+            raise TargetMissing(f"{patch.module}.{name} (used by the patch) does not exist")
+    *path, attr = patch.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise TargetMissing(f"{patch.module}.{patch.qualname}: no {part}")
+    current = inspect.getattr_static(owner, attr, None)
+    if not callable(current):
+        raise TargetMissing(f"{patch.module}.{patch.qualname} does not exist")
+    original = getattr(current, "__wrapped__", current) if hasattr(current, MARK) else current
+    params = tuple(inspect.signature(original).parameters)
+    if params != patch.params:
+        raise TargetMissing(
+            f"{patch.module}.{patch.qualname}: expected parameters {patch.params}, got {params}"
+        )
+    return owner, attr, current
+
+
+def vllm_version() -> str | None:
+    """Installed vLLM's version, or None when vLLM is not importable."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return getattr(vllm, "__version__", "unknown")
+
+
+def supported(version: str) -> bool:
+    return ".".join(version.split(".")[:2]) in SUPPORTED_VLLM
+
+
+def apply(features: frozenset[str]) -> dict[str, str]:
+    """Apply every patch of ``features``; returns {feature: "applied ..." | "skipped: why"}."""
+    global _warned_version
+    version = vllm_version()
+    if version is None:
+        return dict.fromkeys(sorted(features), "skipped: vLLM is not importable")
+    if not supported(version):
+        if not _warned_version:
+            logger.warning(
+                "vllm-mla: vLLM %s is not one of %s; no patch applied", version, SUPPORTED_VLLM
+            )
+            _warned_version = True
+        return dict.fromkeys(sorted(features), f"skipped: vLLM {version} unsupported")
+    results = {}
+    for feature in sorted(features):
+        patches = [p for p in PATCHES if p.feature == feature]
+        try:
+            targets = [(p, *resolve(p)) for p in patches]
+        except TargetMissing as exc:
+            logger.warning("vllm-mla: feature %s not applied: %s", feature, exc)
+            results[feature] = f"skipped: {exc}"
+            continue
+        for patch, owner, attr, current in targets:
+            if hasattr(current, MARK):  # already ours: idempotent
+                continue
+            setattr(owner, attr, patch.build(current))
+            _applied[patch.name] = (owner, attr, current)
+        results[feature] = "applied " + ", ".join(p.qualname for p in patches)
+    return results
+
+
+def revert() -> None:
+    """Put every original back (tests, or a process that wants stock vLLM again)."""
+    for owner, attr, original in _applied.values():
+        setattr(owner, attr, original)
+    _applied.clear()

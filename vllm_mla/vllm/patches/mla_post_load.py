@@ -1,0 +1,161 @@
+"""Patch ``MLAAttention.process_weights_after_loading`` with the lean lifecycle.
+
+Target: ``vllm.model_executor.layers.attention.mla_attention.MLAAttention
+.process_weights_after_loading(self, act_dtype)`` (vLLM 0.32, 0.33).
+Why: upstream keeps kv_b_proj's quantized source and a BF16 absorbed copy, allocated
+after dequant scratch (allocator holes), and never releases the source.
+How: the generic absorbed path runs ``vllm_mla.weights.post_load`` (pair allocated
+first, bounded chunks, release only when the backend's capability allows it and no
+dense MHA prefill calls kv_b_proj); the rest of upstream's tail (DCP query copy,
+default quant scales) runs as upstream does. Delegated untouched to the original:
+AMX and ROCm aiter BMM layers (they own their weights), and a BF16/FP16 kv_b_proj
+that must stay (upstream's pair aliases it: no copy, no scratch, nothing to gain).
+Removal: when upstream adopts the same allocation order and capability-gated release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from vllm_mla.backends import capabilities_for, lifecycle_config
+from vllm_mla.weights import LifecycleConfig, post_load
+from vllm_mla.weights.sources import DENSE_DTYPES, KVBSource, owner_module
+
+OWN_BMM_FLAGS = (
+    "is_amx_bmm_enabled",
+    "is_aiter_triton_fp4_bmm_enabled",
+    "is_aiter_triton_fp8_bmm_enabled",
+)
+
+
+def backend_name(layer: nn.Module) -> str | None:
+    """vLLM's name of the layer's attention backend (None when the layer has none)."""
+    backend = getattr(layer, "attn_backend", None)
+    get_name = getattr(backend, "get_name", None)
+    return get_name() if callable(get_name) else None
+
+
+def layer_config(layer: nn.Module) -> LifecycleConfig:
+    """Lifecycle settings from the backend's capabilities and the layer's prefill path."""
+    caps = capabilities_for(backend_name(layer) or "")
+    config = lifecycle_config(caps)
+    impl = getattr(layer, "impl", None)
+    # Dense MHA prefill calls kv_b_proj: it exists unless both impl and layer opt out
+    # and the layer really has no prefill backend.
+    dense_prefill = getattr(layer, "prefill_backend", object()) is not None or bool(
+        getattr(impl, "supports_dense_mha_prefill", True)
+        and getattr(layer, "supports_dense_mha_prefill", True)
+    )
+    if dense_prefill and not config.dense_mha_prefill:
+        config = LifecycleConfig(
+            release_source=config.release_source,
+            dense_mha_prefill=True,
+            max_scratch_bytes=config.max_scratch_bytes,
+        )
+    return config
+
+
+def _scale_name(module: nn.Module) -> str | None:
+    for name in ("weight_scale_inv", "weight_scale"):
+        scale = module._parameters.get(name)
+        if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.dim() == 2:
+            return name
+    return None
+
+
+def vllm_reader(act_dtype: torch.dtype) -> Callable[[nn.Module], KVBSource | None]:
+    """A source reader that knows vLLM's quant methods.
+
+    Unquantized -> dense rows; block FP8 (Fp8LinearMethod, not Marlin or DeepGEMM,
+    whose layouts differ) -> chunked block dequant; anything else -> vLLM's own
+    ``get_and_maybe_dequant_weights`` as one external chunk.
+    """
+
+    def read(kv_b_proj: nn.Module) -> KVBSource | None:
+        module = owner_module(kv_b_proj)
+        weight = module._parameters.get("weight")
+        if isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            return None  # released
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if method is None or kind == "UnquantizedLinearMethod":
+            return KVBSource("dense", module, ("weight",))
+        scale = _scale_name(module)
+        block = getattr(method, "block_quant", False) and not (
+            getattr(method, "use_marlin", False) or getattr(method, "use_deep_gemm", False)
+        )
+        block_128 = list(getattr(module, "weight_block_size", None) or ()) == [128, 128]
+        if kind == "Fp8LinearMethod" and block and block_128 and scale is not None:
+            return KVBSource("fp8-block", module, ("weight", scale))
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            get_and_maybe_dequant_weights,
+        )
+
+        names = tuple(module._parameters)
+        shape = (module.output_size_per_partition, module.input_size_per_partition)
+        return KVBSource(
+            "external",
+            module,
+            names,
+            dequant=lambda: get_and_maybe_dequant_weights(module, out_dtype=act_dtype),
+            external_shape=shape,
+        )
+
+    return read
+
+
+def delegate_reason(
+    layer: nn.Module, act_dtype: torch.dtype, config: LifecycleConfig
+) -> str | None:
+    """Why this layer goes to upstream's post-load untouched (None: the lifecycle owns it)."""
+    for flag in OWN_BMM_FLAGS:
+        if getattr(layer, flag, False):
+            return flag
+    weight = getattr(owner_module(layer.kv_b_proj), "weight", None)
+    kept = not config.release_source
+    if kept and isinstance(weight, torch.Tensor) and weight.dtype in DENSE_DTYPES:
+        return "dense kv_b_proj kept: upstream's pair aliases it"
+    return None
+
+
+def _upstream_tail(layer: nn.Module) -> None:
+    """Upstream's steps after the pair exists: DCP query copy, default quant scales."""
+    from vllm.model_executor.layers.attention import mla_attention as mla
+    from vllm.model_executor.utils import replace_parameter
+
+    if getattr(layer, "dcp_q_replicate", False):
+        gathered = mla.get_dcp_group().all_gather(layer.W_UK_T.contiguous(), dim=0)
+        replace_parameter(layer, "W_UK_T_dcp_qrep", gathered)
+    quant_config = getattr(layer, "quant_config", None)
+    method = (
+        mla.resolve_quant_method(quant_config, layer, prefix=layer.layer_name)
+        if quant_config
+        else None
+    )
+    if not mla.should_load_quant_weights(method):
+        mla.set_default_quant_scales(layer, register_buffer=False)
+
+
+def make_process_weights_after_loading(original: Callable) -> Callable:
+    """The replacement for ``MLAAttention.process_weights_after_loading``."""
+
+    def process_weights_after_loading(self: nn.Module, act_dtype: torch.dtype) -> None:
+        config = layer_config(self)
+        if delegate_reason(self, act_dtype, config) is not None:
+            return original(self, act_dtype)
+        self.impl.process_weights_after_loading(act_dtype)
+        if getattr(self, "dcp_q_replicate", False):
+            pad = getattr(self, "q_pad_num_heads", None)
+            if pad not in (None, self.num_heads):
+                raise ValueError("DCP query replication is unsupported with q_pad_num_heads")
+        # refresh: vLLM's reload writes new weights through .data, which no version
+        # counter sees, so a present source is always re-materialized (in place).
+        post_load(self, act_dtype, config, reader=vllm_reader(act_dtype), refresh=True)
+        _upstream_tail(self)
+
+    process_weights_after_loading.__doc__ = original.__doc__
+    process_weights_after_loading.__qualname__ = original.__qualname__
+    return process_weights_after_loading
