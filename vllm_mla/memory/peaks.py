@@ -62,10 +62,9 @@ class AllocationTrace:
         self._quiet = _profiler_stderr_filtered()
 
     def __enter__(self) -> AllocationTrace:
-        activities = [ProfilerActivity.CPU]
-        if self.device_type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self._profile = profile(activities=activities, profile_memory=True)
+        # CPU activity alone: the allocators (CUDA's caching allocator too) report their
+        # events through the host-side profiler; no CUPTI is needed for memory.
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._quiet.__enter__()
         try:
             self._profile.__enter__()
