@@ -310,3 +310,35 @@ def test_prewarm_compiles_every_gated_m_and_capture_refuses_new_variants(monkeyp
     out32 = torch.empty(32, h, L + R, dtype=torch.bfloat16)
     with pytest.raises(QueryProjectionNotPrewarmed, match="M bucket 32"):
         mla_query_projection(q32[..., :p], (t.values, t.scales), q32[..., p:], out32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_custom_op_passes_opcheck(fmt, out_dtype):
+    q_nope, w, q_pe, out = make_inputs(3, 2, 128, fmt, out_dtype=out_dtype)
+    values, scales = (w.values, w.scales) if fmt == "mxfp8" else (w, None)
+    scale = torch.tensor(0.5) if out_dtype == torch.float8_e4m3fn else None
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    utils += ("test_aot_dispatch_dynamic",)
+    if fmt == "mxfp8" or out_dtype == torch.float8_e4m3fn:
+        # opcheck's schema check compares tensors with ops CPU torch lacks for float8
+        # ("mul_cpu_reduced_float"); the mutation schema is covered by the bf16 case.
+        utils = utils[1:]
+    torch.library.opcheck(
+        torch.ops.vllm_mla.mla_query_projection,
+        (q_nope, values, scales, q_pe, out, scale),
+        test_utils=utils,
+    )
+
+
+def test_compiles_as_one_opaque_op():
+    q_nope, w, q_pe, out = make_inputs(2, 2, 128, "bf16")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def project(q_nope, w, q_pe, out):
+        torch.ops.vllm_mla.mla_query_projection(q_nope, w, None, q_pe, out, None)
+        return out
+
+    ref = torch.empty(out.shape, dtype=out.dtype)
+    staged_query_projection(q_nope, w, q_pe, ref)
+    assert_within_one_bf16_ulp(project(q_nope, w, q_pe, out)[..., :L], ref[..., :L], q_nope, w)

@@ -209,7 +209,28 @@ def mla_query_projection(
     *,
     q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write the final ``[M, H, L + R]`` query into ``out``: fused when gated in, else staged."""
+    """Write the final ``[M, H, L + R]`` query into ``out``: fused when gated in, else staged.
+
+    Runs as the custom op ``torch.ops.vllm_mla.mla_query_projection`` (fake impl
+    registered), so torch.compile and CUDA graphs see one opaque op.
+    """
+    args = _validate(q_nope, weight, q_pe, out, q_scale)
+    w = args.weight
+    values, scales = (w.values, w.scales) if isinstance(w, MXFP8Weight) else (w, None)
+    torch.ops.vllm_mla.mla_query_projection(q_nope, values, scales, q_pe, out, q_scale)
+    return out
+
+
+@torch.library.custom_op("vllm_mla::mla_query_projection", mutates_args=("out",))
+def _projection_op(
+    q_nope: torch.Tensor,
+    w_values: torch.Tensor,
+    w_scales: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    out: torch.Tensor,
+    q_scale: torch.Tensor | None,
+) -> None:
+    weight = w_values if w_scales is None else MXFP8Weight(w_values, w_scales)
     args = _validate(q_nope, weight, q_pe, out, q_scale)
     fuse = can_fuse_query_projection(
         num_heads=args.h,
@@ -221,11 +242,16 @@ def mla_query_projection(
         device=q_nope.device,
     )
     if not fuse or args.rope != FUSED_ROPE:
-        return _staged(args, q_nope, q_pe, out, q_scale)
+        _staged(args, q_nope, q_pe, out, q_scale)
+        return
     from vllm_mla.ops.triton import launch
 
     launch.fused_query_projection(args, q_nope, q_pe, out, q_scale)
-    return out
+
+
+@_projection_op.register_fake
+def _(q_nope, w_values, w_scales, q_pe, out, q_scale) -> None:
+    return None
 
 
 def prewarm(
