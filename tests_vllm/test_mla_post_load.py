@@ -133,3 +133,31 @@ def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
     assert [t.data_ptr() for t in pair(model.attn)] == before
     for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=2), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_reload_after_release_regenerates_in_place(registered):
+    """Real order: metadata recorded at model init, load + post-load (release), reload."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader import reload
+
+    model = torch.nn.Module()
+    model.attn = mla_layer("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=False)
+    model.attn.kv_b_proj.quant_method.process_weights_after_loading = lambda layer: None
+    reload.record_metadata_for_reloading(model)
+    with torch.no_grad():
+        model.attn.process_weights_after_loading(torch.bfloat16)
+    kv_b = model.attn.kv_b_proj
+    assert kv_b.weight.numel() == 0
+    before = [t.data_ptr() for t in pair(model.attn)]
+    reload.initialize_layerwise_reload(model)
+    fresh = mla_layer("fp8-block", seed=3).kv_b_proj
+    with torch.no_grad():
+        for name in ("weight", "weight_scale_inv"):
+            param = getattr(kv_b, name)
+            param.weight_loader(param, getattr(fresh, name))
+        reload.finalize_layerwise_reload(model, SimpleNamespace(dtype=torch.bfloat16))
+    assert [t.data_ptr() for t in pair(model.attn)] == before
+    assert kv_b.weight.numel() == 0 and kv_b.weight_scale_inv.numel() == 0  # released again
+    for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=3), strict=True):
+        assert torch.equal(ours, theirs)

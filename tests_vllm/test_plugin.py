@@ -23,7 +23,10 @@ def test_installed_vllm_is_supported():
 
 
 def test_register_patches_the_lifecycle_target(registered):
-    assert registered == {"lifecycle": "applied MLAAttention.process_weights_after_loading"}
+    assert registered == {
+        "lifecycle": "applied MLAAttention.process_weights_after_loading, "
+        "_copy_and_restore_kernel_tensors"
+    }
     assert current() is not STOCK and current().__wrapped__ is STOCK
 
 

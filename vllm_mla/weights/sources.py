@@ -178,11 +178,15 @@ def read_source(kv_b_proj: nn.Module) -> KVBSource | None:
     )
 
 
+RELEASED_ATTR = "vllm_mla_released"  # marks a placeholder left by release()
+
+
 def _placeholder(old: torch.Tensor) -> torch.Tensor:
     empty = torch.empty((0, *old.shape[1:]), dtype=old.dtype, device=old.device)
     if isinstance(old, nn.Parameter):
         new = nn.Parameter(empty, requires_grad=False)
         new.__dict__.update(old.__dict__)  # keep weight_loader and friends for reload
+        setattr(new, RELEASED_ATTR, True)
         return new
     return empty
 

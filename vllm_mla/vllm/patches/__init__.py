@@ -11,6 +11,13 @@ the two agree and that every target exists in the installed vLLM):
     removal: when upstream preallocates the absorbed pair, bounds its scratch and
     releases sources by backend capability
 
+``reload_released`` (feature ``lifecycle``, vLLM 0.33)
+    target: ``vllm.model_executor.model_loader.reload.layerwise``
+    ``._copy_and_restore_kernel_tensors``
+    why: reload copies new weights into the old parameters; a released kv_b_proj
+    is an empty placeholder, so the copy fails on shape
+    removal: when vLLM's reload rebinds size-changed kernel tensors itself
+
 Rules: a patch applies only if its target exists with the expected parameters;
 a feature's patches apply all or none; an unsupported vLLM version applies
 nothing (one warning). ``apply`` is idempotent; ``revert`` undoes everything.
@@ -76,6 +83,20 @@ PATCHES: tuple[Patch, ...] = (
             "should_load_quant_weights",
             "set_default_quant_scales",
         ),
+    ),
+    Patch(
+        name="reload_released",
+        feature="lifecycle",
+        module="vllm.model_executor.model_loader.reload.layerwise",
+        qualname="_copy_and_restore_kernel_tensors",
+        params=("layer", "info"),
+        versions=("0.33",),
+        why="reload copies new weights into the old parameters, and a released kv_b_proj "
+        "source is an empty placeholder",
+        how="rebinds only placeholders marked released to the fresh tensor, then runs the "
+        "original; the attention post-load re-materializes in place and releases again",
+        removal="when vLLM's reload rebinds size-changed kernel tensors itself",
+        factory="vllm_mla.vllm.patches.reload_released:make_copy_and_restore",
     ),
 )
 
