@@ -107,9 +107,24 @@ def test_own_bmm_paths_are_delegated_untouched(flag):
     assert len(calls) == 1 and generic.W_UK_T.is_contiguous()
 
 
+def reload_through_vllm(model, seed):
+    """vLLM's layerwise reload of new block-FP8 kv_b_proj weights (metadata already recorded)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader import reload
+
+    reload.initialize_layerwise_reload(model)
+    fresh = mla_layer("fp8-block", seed=seed).kv_b_proj
+    kv_b = model.attn.kv_b_proj
+    with torch.no_grad():
+        for name in ("weight", "weight_scale_inv"):
+            param = getattr(kv_b, name)
+            param.weight_loader(param, getattr(fresh, name))
+        reload.finalize_layerwise_reload(model, SimpleNamespace(dtype=torch.bfloat16))
+
+
 def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
     """Drive vLLM's own layerwise reload: record, initialize, load, finalize."""
-    from types import SimpleNamespace
 
     from vllm.model_executor.model_loader import reload
 
@@ -122,14 +137,7 @@ def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
         model.attn.process_weights_after_loading(torch.bfloat16)
     before = [t.data_ptr() for t in pair(model.attn)]
     reload.record_metadata_for_reloading(model)
-    reload.initialize_layerwise_reload(model)
-    fresh = mla_layer("fp8-block", seed=2).kv_b_proj
-    kv_b = model.attn.kv_b_proj
-    with torch.no_grad():
-        for name in ("weight", "weight_scale_inv"):
-            param = getattr(kv_b, name)
-            param.weight_loader(param, getattr(fresh, name))
-        reload.finalize_layerwise_reload(model, SimpleNamespace(dtype=torch.bfloat16))
+    reload_through_vllm(model, seed=2)
     assert [t.data_ptr() for t in pair(model.attn)] == before
     for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=2), strict=True):
         assert torch.equal(ours, theirs)
@@ -137,7 +145,6 @@ def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
 
 def test_reload_after_release_regenerates_in_place(registered):
     """Real order: metadata recorded at model init, load + post-load (release), reload."""
-    from types import SimpleNamespace
 
     from vllm.model_executor.model_loader import reload
 
@@ -150,13 +157,7 @@ def test_reload_after_release_regenerates_in_place(registered):
     kv_b = model.attn.kv_b_proj
     assert kv_b.weight.numel() == 0
     before = [t.data_ptr() for t in pair(model.attn)]
-    reload.initialize_layerwise_reload(model)
-    fresh = mla_layer("fp8-block", seed=3).kv_b_proj
-    with torch.no_grad():
-        for name in ("weight", "weight_scale_inv"):
-            param = getattr(kv_b, name)
-            param.weight_loader(param, getattr(fresh, name))
-        reload.finalize_layerwise_reload(model, SimpleNamespace(dtype=torch.bfloat16))
+    reload_through_vllm(model, seed=3)
     assert [t.data_ptr() for t in pair(model.attn)] == before
     assert kv_b.weight.numel() == 0 and kv_b.weight_scale_inv.numel() == 0  # released again
     for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=3), strict=True):
