@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the decode query path, in one device call (< 8 minutes on an H200; the
-# step timeouts add up to 9 minutes, under the device tool's 10-minute call limit):
+# GPU check of the decode query path, in one device call (expected < 8 minutes on an H200;
+# the step timeouts add up to 10 minutes, the device tool's per-call limit):
 # build the stable-ABI CUDA op, memcheck it, gate correctness, time with graph replay.
 #   run through the device tool:  bash benchmarks/gpu_check.sh   (writes under $OUT)
 #   anywhere else:                OUT=/tmp/qp bash benchmarks/gpu_check.sh

@@ -282,22 +282,22 @@ def main() -> int:
     report["copy_bandwidth_TBps"] = bandwidth / 1e12
     header = f"{'M':>3} {'H':>3} {'P':>4} {'W':>6} {'out':>5} | {'staged':>7} {'safe':>7} "
     header += f"{'bmm*':>7} {'fused':>7} | {'f/s':>5} {'s/b':>5} {'roof%':>6}"
-    lines = [header]
-    for m, h, p, fmt, out_dtype in grid:
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; per-layer microseconds, CUDA-graph replay")
+    print("f/s = staged/fused speedup; s/b = safe op / bmm on a contiguous query copy")
+    print(header)
+    for m, h, p, fmt, out_dtype in grid:  # rows and JSON as they come: a timeout keeps them
         row = time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth)
         row.update(m=m, h=h, p=p, weights=fmt, out=str(out_dtype))
         report["timings"].append(row)
-        lines.append(
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(
             f"{m:>3} {h:>3} {p:>4} {fmt:>6} {'e4m3' if out_dtype != torch.bfloat16 else 'bf16':>5}"
             f" | {row['staged_us']:7.2f} {row.get('safe_us', float('nan')):7.2f}"
             f" {row.get('bmm_contiguous_us', float('nan')):7.2f} {row['fused_us']:7.2f}"
             f" | {row['fused_vs_staged']:5.2f} {row.get('safe_vs_bmm', float('nan')):5.2f}"
-            f" {100 * row['fused_roofline_fraction']:6.1f}"
+            f" {100 * row['fused_roofline_fraction']:6.1f}",
+            flush=True,
         )
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; per-layer microseconds, CUDA-graph replay")
-    print("f/s = staged/fused speedup; s/b = safe op / bmm on a contiguous query copy")
-    print("\n".join(lines))
     return 0
 
 
