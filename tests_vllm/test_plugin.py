@@ -77,6 +77,14 @@ def test_missing_helper_skips_the_feature(monkeypatch):
     assert current() is STOCK
 
 
+def test_patch_not_written_for_this_version_skips_the_feature(monkeypatch):
+    old = dataclasses.replace(patches.PATCHES[1], versions=("0.31",))
+    monkeypatch.setattr(patches, "PATCHES", (patches.PATCHES[0], old))
+    plugin.reset()
+    assert "not written for vLLM" in plugin.register()["lifecycle"]
+    assert current() is STOCK
+
+
 def test_a_feature_applies_all_or_none(monkeypatch):
     good = patches.PATCHES[0]
     bad = dataclasses.replace(good, name="other", qualname="MLAAttention.missing")

@@ -11,7 +11,7 @@ the two agree and that every target exists in the installed vLLM):
     removal: when upstream preallocates the absorbed pair, bounds its scratch and
     releases sources by backend capability
 
-``reload_released`` (feature ``lifecycle``, vLLM 0.33)
+``reload_released`` (feature ``lifecycle``, vLLM 0.32 and 0.33)
     target: ``vllm.model_executor.model_loader.reload.layerwise``
     ``._copy_and_restore_kernel_tensors``
     why: reload copies new weights into the old parameters; a released kv_b_proj
@@ -90,7 +90,7 @@ PATCHES: tuple[Patch, ...] = (
         module="vllm.model_executor.model_loader.reload.layerwise",
         qualname="_copy_and_restore_kernel_tensors",
         params=("layer", "info"),
-        versions=("0.33",),
+        versions=SUPPORTED_VLLM,
         why="reload copies new weights into the old parameters, and a released kv_b_proj "
         "source is an empty placeholder",
         how="rebinds only placeholders marked released to the fresh tensor, then runs the "
@@ -163,6 +163,12 @@ def apply(features: frozenset[str]) -> dict[str, str]:
     results = {}
     for feature in sorted(features):
         patches = [p for p in PATCHES if p.feature == feature]
+        minor = ".".join(version.split(".")[:2])
+        untested = [p.name for p in patches if minor not in p.versions]
+        if untested:
+            results[feature] = f"skipped: {', '.join(untested)} not written for vLLM {minor}"
+            logger.warning("vllm-mla: feature %s not applied: %s", feature, results[feature])
+            continue
         try:
             targets = [(p, *resolve(p)) for p in patches]
         except TargetMissing as exc:

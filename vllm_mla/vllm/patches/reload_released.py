@@ -1,7 +1,7 @@
 """Patch vLLM's layerwise reload so a released kv_b_proj can take new weights.
 
 Target: ``vllm.model_executor.model_loader.reload.layerwise
-._copy_and_restore_kernel_tensors(layer, info)`` (vLLM 0.33).
+._copy_and_restore_kernel_tensors(layer, info)`` (vLLM 0.32, 0.33).
 Why: reload copies freshly processed tensors into the parameters that existed
 before (``param.data.copy_``) to keep CUDA-graph addresses; a kv_b_proj source the
 lifecycle released is an empty placeholder, so that copy fails on shape.
