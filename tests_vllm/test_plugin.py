@@ -25,7 +25,8 @@ def test_installed_vllm_is_supported():
 def test_register_patches_the_lifecycle_target(registered):
     assert registered == {
         "lifecycle": "applied MLAAttention.process_weights_after_loading, "
-        "_copy_and_restore_kernel_tensors"
+        "_copy_and_restore_kernel_tensors",
+        "query": "applied MLAAttention._v_up_proj",
     }
     assert current() is not STOCK and current().__wrapped__ is STOCK
 
@@ -45,10 +46,12 @@ def test_disabled_by_env_leaves_vllm_untouched(monkeypatch):
 
 
 def test_feature_selection(monkeypatch):
-    monkeypatch.setenv("VLLM_MLA_FEATURES", "bogus")
+    monkeypatch.setenv("VLLM_MLA_FEATURES", "query,bogus")
     plugin.reset()
     result = plugin.register()
     assert current() is STOCK and "unknown feature" in result["bogus"]
+    assert set(result) == {"query", "bogus"}
+    assert hasattr(mla_attention.MLAAttention._v_up_proj, patches.MARK)
 
 
 def test_renamed_target_skips_the_feature_with_a_warning(monkeypatch, caplog):
@@ -63,7 +66,7 @@ def test_renamed_target_skips_the_feature_with_a_warning(monkeypatch, caplog):
 
 def test_changed_signature_skips_the_feature(monkeypatch):
     other = dataclasses.replace(patches.PATCHES[0], params=("self", "act_dtype", "extra"))
-    monkeypatch.setattr(patches, "PATCHES", (other,))
+    monkeypatch.setattr(patches, "PATCHES", (other, *patches.PATCHES[1:]))
     plugin.reset()
     assert "expected parameters" in plugin.register()["lifecycle"]
     assert current() is STOCK

@@ -2,8 +2,9 @@
 
 ``VLLM_MLA`` (bool, default on): ``0`` makes the vLLM plugin apply nothing.
 
-``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle``): the plugin features to apply;
-known: ``lifecycle`` (lean absorbed weights in MLA post-load).
+``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query``): the plugin features to
+apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load) and ``query`` (the
+safe BMM in MLA's V up-projection where the GPU or backend needs it).
 
 ``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
 CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
@@ -24,7 +25,7 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in TRUE
 
 
-FEATURES = ("lifecycle",)
+FEATURES = ("lifecycle", "query")
 
 
 def plugin_enabled() -> bool:

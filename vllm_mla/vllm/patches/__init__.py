@@ -18,6 +18,12 @@ the two agree and that every target exists in the installed vLLM):
     is an empty placeholder, so the copy fails on shape
     removal: when vLLM's reload rebinds size-changed kernel tensors itself
 
+``mla_v_up_proj`` (feature ``query``, vLLM 0.32 and 0.33)
+    target: ``vllm.model_executor.layers.attention.mla_attention``
+    ``.MLAAttention._v_up_proj``
+    why: cuBLAS batched BF16 GEMM over-reads the strided operand on SM120/121 (Xid 31)
+    removal: when cuBLAS or upstream's _v_up_proj is safe on SM12x
+
 Rules: a patch applies only if its target exists with the expected parameters;
 a feature's patches apply all or none; an unsupported vLLM version applies
 nothing (one warning). ``apply`` is idempotent; ``revert`` undoes everything.
@@ -97,6 +103,19 @@ PATCHES: tuple[Patch, ...] = (
         "original; the attention post-load re-materializes in place and releases again",
         removal="when vLLM's reload rebinds size-changed kernel tensors itself",
         factory="vllm_mla.vllm.patches.reload_released:make_copy_and_restore",
+    ),
+    Patch(
+        name="mla_v_up_proj",
+        feature="query",
+        module="vllm.model_executor.layers.attention.mla_attention",
+        qualname="MLAAttention._v_up_proj",
+        params=("self", "x", "out"),
+        versions=SUPPORTED_VLLM,
+        why="cuBLAS batched BF16 GEMM reads past strided operands on SM120/121 (Xid 31)",
+        how="on SM12x or with the needs_safe_query_bmm capability, the generic path runs "
+        "safe_mla_query_bmm; otherwise the original, untouched",
+        removal="when cuBLAS or upstream's _v_up_proj is safe on SM12x",
+        factory="vllm_mla.vllm.patches.mla_v_up_proj:make_v_up_proj",
     ),
 )
 

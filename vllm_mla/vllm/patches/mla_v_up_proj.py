@@ -1,0 +1,59 @@
+"""Patch ``MLAAttention._v_up_proj`` to use ``safe_mla_query_bmm`` where it is needed.
+
+Target: ``vllm.model_executor.layers.attention.mla_attention.MLAAttention
+._v_up_proj(self, x, out)`` (vLLM 0.32, 0.33).
+Why: on SM120/121 the cuBLAS batched BF16 GEMM reads past the strided operand of
+``torch.bmm(x.transpose(0, 1), W_UV, out=...)`` and faults (Xid 31), seen after long
+chunked prefill.
+How: for the generic path (not AMX or aiter), when the GPU is SM12x or the backend's
+capability sets ``needs_safe_query_bmm``, the same product runs through
+``safe_mla_query_bmm`` (our bounds-checked kernel, or a contiguous copy where it is
+not built), or, when W_UV is upstream's transposed view of a kept BF16 kv_b_proj,
+through torch.bmm on a contiguous copy of the activation (the known workaround);
+everywhere else the original runs untouched. The decision is made once per layer.
+Removal: when cuBLAS (or upstream's _v_up_proj) is safe on strided operands on SM12x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from vllm_mla.backends import capabilities_for
+from vllm_mla.ops import safe_mla_query_bmm
+from vllm_mla.vllm.patches.mla_post_load import OWN_BMM_FLAGS, backend_name
+
+DECISION_ATTR = "_vllm_mla_safe_v_up"
+
+
+def needs_safe_bmm(layer: nn.Module, device: torch.device) -> bool:
+    """SM12x GPUs, or a backend declaring ``needs_safe_query_bmm``; never AMX/aiter layers."""
+    if any(getattr(layer, flag, False) for flag in OWN_BMM_FLAGS):
+        return False
+    if capabilities_for(backend_name(layer) or "").needs_safe_query_bmm:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
+
+
+def make_v_up_proj(original: Callable) -> Callable:
+    """The replacement for ``MLAAttention._v_up_proj``."""
+
+    def _v_up_proj(self: nn.Module, x: torch.Tensor, out: torch.Tensor):
+        safe = self.__dict__.get(DECISION_ATTR)
+        if safe is None:
+            safe = self.__dict__[DECISION_ATTR] = needs_safe_bmm(self, x.device)
+        if not safe:
+            return original(self, x, out)
+        x = x.view(-1, self.num_heads, self.kv_lora_rank).transpose(0, 1)
+        out = out.view(-1, self.num_heads, self.v_head_dim).transpose(0, 1)
+        if self.W_UV.stride(-1) == 1:
+            safe_mla_query_bmm(x, self.W_UV, out)
+        else:
+            # Upstream's transposed view of a kept BF16 kv_b_proj cannot feed the safe op;
+            # the known-safe workaround copies the strided activation instead.
+            torch.bmm(x.contiguous(), self.W_UV, out=out)
+        return None
+
+    return _v_up_proj
