@@ -162,3 +162,39 @@ def test_reload_after_release_regenerates_in_place(registered):
     assert kv_b.weight.numel() == 0 and kv_b.weight_scale_inv.numel() == 0  # released again
     for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=3), strict=True):
         assert torch.equal(ours, theirs)
+
+
+class Int8RowwiseMethod:
+    """A quant method the lifecycle cannot read itself: int8 rows with a per-row scale.
+
+    Only ``apply`` is known, so both upstream and the plugin go through vLLM's generic
+    ``get_and_maybe_dequant_weights`` (an identity matrix through ``apply``).
+    """
+
+    def apply(self, layer, x, bias=None):
+        weight = layer.weight.float() * layer.row_scale[:, None]
+        return (x.float() @ weight.T).to(x.dtype)
+
+
+def int8_layer(seed=0, backend=None, dense_prefill=True):
+    layer = mla_layer("bf16", seed=seed, backend=backend, dense_prefill=dense_prefill)
+    kv_b = layer.kv_b_proj
+    dense = kv_b.weight.detach().float()
+    scale = dense.abs().amax(dim=1) / 127
+    kv_b.weight = torch.nn.Parameter(
+        (dense / scale[:, None]).round().to(torch.int8), requires_grad=False
+    )
+    kv_b.row_scale = torch.nn.Parameter(scale, requires_grad=False)
+    kv_b.quant_method = Int8RowwiseMethod()
+    return layer
+
+
+def test_other_quant_methods_go_through_vllms_own_dequant(registered):
+    ours = int8_layer(backend="B12X_MLA_SPARSE", dense_prefill=False)
+    theirs = int8_layer()
+    with torch.no_grad():
+        ours.process_weights_after_loading(torch.bfloat16)
+        STOCK(theirs, torch.bfloat16)
+    for a, b in zip(pair(ours), pair(theirs), strict=True):
+        assert a.is_contiguous() and torch.equal(a, b)
+    assert ours.kv_b_proj.weight.numel() == 0 and ours.kv_b_proj.row_scale.numel() == 0
