@@ -177,17 +177,12 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         progress,
         "lean",
     )
-    errors = [
-        _max_abs_err(a.cpu(), b)
-        for layer, ref in zip(lean_layers, reference, strict=True)
-        for a, b in zip(_pair(layer), ref, strict=True)
-    ]
-    parity = max(errors)
-    bit_identical = all(
-        torch.equal(a.cpu(), b)
-        for layer, ref in zip(lean_layers, reference, strict=True)
-        for a, b in zip(_pair(layer), ref, strict=True)
-    )
+    parity, bit_identical = 0.0, True
+    for layer, ref in zip(lean_layers, reference, strict=True):
+        for ours, theirs in zip(_pair(layer), ref, strict=True):
+            ours = ours.cpu()
+            parity = max(parity, _max_abs_err(ours, theirs))
+            bit_identical &= torch.equal(ours, theirs)
     idempotent = all(post_load(lay, ACT_DTYPE, lifecycle).action == "noop" for lay in lean_layers)
     del reference
     released = lifecycle.release_source and lean["source_bytes"] == 0
