@@ -1,0 +1,370 @@
+"""Sparse MLA (Triton split-K) at GLM-5 TP4 shapes: correctness, CUDA graphs, soak, speed.
+
+1. Correctness gate: Triton vs ``sparse_mla_reference`` for decode T in {1, 8, 32, 64}
+   (ragged ``lengths`` and -1 padding) and extend T=4096, H in {16, 64}, top-k 2048,
+   fp8_ds_mla and bf16, block size 64, a cache of ``--blocks`` blocks whose pages
+   interleave with another layer's (dim-0 stride = two pages).
+2. CUDA graphs: prewarm, capture one decode call (T=32, H=16), replay on fresh q /
+   indices / lengths copied into the captured buffers; each replay must match.
+3. Soak: ``--soak`` replays (default 10,000) cycling through a bank of input sets, each
+   output checked on the device against the bank's reference (NaN or error > tolerance
+   counts as an error); one sync at the end.
+4. Decode speed: median CUDA-graph replay time (CUDA events) at T=32, K=2048, H=16 (and
+   a few other shapes). Gathered bytes = T * K * record_bytes (every index counted, so
+   rows shared by two tokens count twice; the unique-row figure is printed too), over
+   the bandwidth of a 1 GiB device-to-device copy measured in the same run -> % roofline.
+
+    python benchmarks/sparse_mla.py --out $OUT/sparse_mla.json   # GPU, < 4 min on an H200
+    python benchmarks/sparse_mla.py --smoke --out /tmp/s.json     # CPU, Triton interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vllm_mla.ops import sparse_mla as sm
+from vllm_mla.ops.sparse_mla import (
+    KV_FORMATS,
+    LSE_ABS_ERR,
+    OUT_REL_ERR,
+    pack_rows,
+    record_bytes,
+    scratch_bytes,
+    sparse_mla_forward,
+    sparse_mla_reference,
+)
+
+SCALE = 1 / math.sqrt(192 + 64)  # GLM-5: qk_nope 192 + rope 64
+
+
+def make_cache(fmt, num_blocks, block_size, device, gen):
+    """Packed random rows; pages interleave with a NaN-filled neighbour (stride = 2 pages)."""
+    n = num_blocks * block_size
+    kv_c = torch.randn(n, 512, generator=gen, device=device)
+    k_pe = torch.randn(n, 64, generator=gen, device=device)
+    packed = pack_rows(kv_c, k_pe, fmt)
+    big = torch.empty(
+        (num_blocks, 2, block_size, packed.shape[1]), dtype=packed.dtype, device=device
+    )
+    big.view(torch.uint8).fill_(0xFF)  # NaN in both formats
+    big[:, 0] = packed.view(num_blocks, block_size, -1)
+    return big[:, 0]
+
+
+def make_inputs(t, h, k, num_rows, device, gen, *, ragged, empty=0.05):
+    """q [T, H, 576] bf16; per token K distinct rows, a fraction ``empty`` of them -1;
+    optional ragged lengths."""
+    q = torch.randn(t, h, 576, generator=gen, device=device).bfloat16()
+    keys = torch.rand(t, num_rows, generator=gen, device=device)
+    idx = keys.topk(k, dim=1).indices.int()  # distinct rows per token
+    idx[torch.rand(t, k, generator=gen, device=device) < empty] = -1
+    lengths = None
+    if ragged:
+        lengths = torch.randint(0, k + 1, (t,), generator=gen, device=device, dtype=torch.int32)
+        lengths[0] = k
+    return q, idx, lengths
+
+
+def errors(out, lse, ref, ref_lse) -> dict:
+    out, ref = out.float(), ref.float()
+    rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    finite = torch.isfinite(ref_lse)
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    same_empty = torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    nan = bool(out.isnan().any() or lse.isnan().any())
+    ok = (not nan) and same_empty and rel < OUT_REL_ERR and lse_err < LSE_ABS_ERR
+    return {"rel_err": rel, "lse_err": lse_err, "nan": nan, "ok": ok}
+
+
+def check(fmt, t, h, k, cache, device, gen, impl) -> dict:
+    num_rows = cache.shape[0] * cache.shape[1]
+    q, idx, lengths = make_inputs(t, h, k, num_rows, device, gen, ragged=t <= 64)
+    out = torch.full((t, h, 512), float("nan"), device=device).bfloat16()
+    lse = torch.full((t, h), float("nan"), device=device)
+    sparse_mla_forward(
+        q, cache, idx, SCALE, kv_format=fmt, lengths=lengths, out=out, lse=lse, impl=impl
+    )
+    ref, ref_lse = sparse_mla_reference(q, cache, idx, SCALE, kv_format=fmt, lengths=lengths)
+    return {"fmt": fmt, "T": t, "H": h, "K": k, **errors(out, lse, ref, ref_lse)}
+
+
+class Static:
+    """Captured buffers for one decode shape: inputs, outputs, scratch."""
+
+    def __init__(self, fmt, t, h, k, cache, device):
+        self.fmt, self.cache = fmt, cache
+        self.q = torch.zeros(t, h, 576, dtype=torch.bfloat16, device=device)
+        self.idx = torch.full((t, k), -1, dtype=torch.int32, device=device)
+        self.lengths = torch.full((t,), k, dtype=torch.int32, device=device)
+        self.out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=device)
+        self.lse = torch.empty(t, h, device=device)
+        self.scratch = torch.empty(
+            max(16, scratch_bytes(t, h, k, kv_format=fmt)), dtype=torch.uint8, device=device
+        )
+
+    def step(self):
+        sparse_mla_forward(
+            self.q,
+            self.cache,
+            self.idx,
+            SCALE,
+            kv_format=self.fmt,
+            lengths=self.lengths,
+            out=self.out,
+            lse=self.lse,
+            scratch=self.scratch,
+            impl="triton",
+        )
+
+    def load(self, q, idx, lengths):
+        self.q.copy_(q)
+        self.idx.copy_(idx)
+        self.lengths.copy_(
+            lengths if lengths is not None else torch.full_like(self.lengths, idx.shape[1])
+        )
+
+    def capture(self) -> torch.cuda.CUDAGraph:
+        sm.prewarm(
+            self.cache,
+            num_heads=self.q.shape[1],
+            topk=self.idx.shape[1],
+            kv_format=self.fmt,
+            token_counts=[self.q.shape[0]],
+            with_lengths=True,
+            return_lse=True,
+            impl="triton",
+        )
+        self.step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step()
+        return graph
+
+
+def graph_replay_check(fmt, cache, device, gen, t=32, h=16, k=2048, rounds=4) -> dict:
+    st = Static(fmt, t, h, k, cache, device)
+    graph = st.capture()
+    frozen = sm.compiled_variants()
+    worst = {"rel_err": 0.0, "lse_err": 0.0, "nan": False, "ok": True}
+    num_rows = cache.shape[0] * cache.shape[1]
+    for _ in range(rounds):
+        q, idx, lengths = make_inputs(t, h, k, num_rows, device, gen, ragged=True)
+        st.load(q, idx, lengths)
+        st.out.fill_(float("nan"))
+        graph.replay()
+        ref, ref_lse = sparse_mla_reference(q, cache, idx, SCALE, kv_format=fmt, lengths=lengths)
+        e = errors(st.out, st.lse, ref, ref_lse)
+        worst = {
+            "rel_err": max(worst["rel_err"], e["rel_err"]),
+            "lse_err": max(worst["lse_err"], e["lse_err"]),
+            "nan": worst["nan"] or e["nan"],
+            "ok": worst["ok"] and e["ok"],
+        }
+    worst["no_compile_after_capture"] = sm.compiled_variants() == frozen
+    worst["ok"] = worst["ok"] and worst["no_compile_after_capture"]
+    return {"fmt": fmt, "T": t, "H": h, "K": k, "rounds": rounds, **worst}
+
+
+def soak(fmt, cache, device, gen, replays, t=32, h=16, k=2048, bank=8) -> dict:
+    """``replays`` graph replays on inputs cycling through ``bank`` sets; errors counted on
+    the device (NaN anywhere, or a relative error above OUT_REL_ERR)."""
+    st = Static(fmt, t, h, k, cache, device)
+    graph = st.capture()
+    num_rows = cache.shape[0] * cache.shape[1]
+    sets, refs = [], []
+    for _ in range(bank):
+        q, idx, lengths = make_inputs(t, h, k, num_rows, device, gen, ragged=True)
+        sets.append((q, idx, lengths))
+        refs.append(sparse_mla_reference(q, cache, idx, SCALE, kv_format=fmt, lengths=lengths)[0])
+    ref_norms = [r.float().norm().clamp_min(1e-30) for r in refs]
+    errs = torch.zeros((), dtype=torch.int64, device=device)
+    start = time.perf_counter()
+    for i in range(replays):
+        j = i % bank
+        st.load(*sets[j])
+        graph.replay()
+        out = st.out.float()
+        bad = out.isnan().any() | ((out - refs[j].float()).norm() / ref_norms[j] > OUT_REL_ERR)
+        errs += bad.long()
+    torch.cuda.synchronize()
+    count = int(errs.item())
+    return {
+        "fmt": fmt,
+        "T": t,
+        "H": h,
+        "K": k,
+        "replays": replays,
+        "errors": count,
+        "seconds": time.perf_counter() - start,
+        "ok": count == 0,
+    }
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.randn(1 << 28, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def time_decode(fmt, t, h, k, cache, device, gen, bandwidth, reps=50) -> dict:
+    st = Static(fmt, t, h, k, cache, device)
+    num_rows = cache.shape[0] * cache.shape[1]
+    q, idx, _ = make_inputs(t, h, k, num_rows, device, gen, ragged=False, empty=0.0)
+    st.load(q, idx, None)
+    graph = st.capture()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    us = sorted(times)[len(times) // 2]
+    gathered = t * k * record_bytes(fmt)
+    unique = int(torch.unique(st.idx).numel()) * record_bytes(fmt)
+    return {
+        "fmt": fmt,
+        "T": t,
+        "H": h,
+        "K": k,
+        "us": us,
+        "gathered_bytes": gathered,
+        "unique_bytes": unique,
+        "GBps": gathered / (us * 1e-6) / 1e9,
+        "pct_roofline": 100 * gathered / (us * 1e-6) / bandwidth,
+    }
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = list(torch.cuda.get_device_capability())
+    with contextlib.suppress(OSError):
+        env["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            check=False,
+        ).stdout.strip()
+    return env
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Sparse MLA ({report['env'].get('gpu', 'CPU smoke')})", ""]
+    lines += [
+        "| check | fmt | T | H | K | rel err | lse err | ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report["checks"]:
+        lines.append(
+            f"| {c.get('kind', 'eager')} | {c['fmt']} | {c['T']} | {c['H']} | {c['K']} | "
+            f"{c['rel_err']:.2e} | {c['lse_err']:.2e} | {c['ok']} |"
+        )
+    if report.get("soak"):
+        lines += ["", "| soak | fmt | replays | errors |", "|---|---|---|---|"]
+        for s in report["soak"]:
+            lines.append(f"| graph | {s['fmt']} | {s['replays']} | {s['errors']} |")
+    if report.get("timing"):
+        bw = report["copy_bandwidth_GBps"]
+        lines += ["", f"Copy bandwidth {bw:.0f} GB/s; bytes = T*K*record (all indices).", ""]
+        lines += ["| fmt | T | H | K | us | GB/s | % roofline |", "|---|---|---|---|---|---|---|"]
+        for r in report["timing"]:
+            lines.append(
+                f"| {r['fmt']} | {r['T']} | {r['H']} | {r['K']} | {r['us']:.1f} | "
+                f"{r['GBps']:.0f} | {r['pct_roofline']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (markdown beside it)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny correctness gate only")
+    parser.add_argument("--blocks", type=int, default=4096)
+    parser.add_argument("--soak", type=int, default=10_000)
+    args = parser.parse_args()
+    gen_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(gen_device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    report = {"env": environment(), "checks": [], "soak": [], "timing": []}
+    started = time.perf_counter()
+
+    if args.smoke:
+        impl = "triton"
+        for fmt in KV_FORMATS:
+            cache = make_cache(fmt, 8, 16, device, gen)
+            for t, h in ((1, 3), (3, 16)):
+                report["checks"].append(check(fmt, t, h, 40, cache, device, gen, impl))
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: use --smoke", file=sys.stderr)
+            return 2
+        bw = copy_bandwidth(device)
+        report["copy_bandwidth_GBps"] = bw / 1e9
+        for fmt in KV_FORMATS:
+            cache = make_cache(fmt, args.blocks, 64, device, gen)
+            for h in (16, 64):
+                for t in (1, 8, 32, 64, 4096):
+                    report["checks"].append(check(fmt, t, h, 2048, cache, device, gen, "triton"))
+                    print(report["checks"][-1], flush=True)
+            g = graph_replay_check(fmt, cache, device, gen)
+            report["checks"].append({"kind": "graph", **g})
+            print(report["checks"][-1], flush=True)
+            for t, h in ((32, 16), (1, 16), (64, 16), (32, 64)):
+                report["timing"].append(time_decode(fmt, t, h, 2048, cache, device, gen, bw))
+                print(report["timing"][-1], flush=True)
+            if fmt == "fp8_ds_mla":
+                report["soak"].append(soak(fmt, cache, device, gen, args.soak))
+                print(report["soak"][-1], flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    report["seconds"] = time.perf_counter() - started
+    ok = all(c["ok"] for c in report["checks"]) and all(s["ok"] for s in report["soak"])
+    report["ok"] = ok
+    text = markdown(report)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+        args.out.with_suffix(".md").write_text(text)
+    print("PASS" if ok else "FAIL", f"({report['seconds']:.1f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""Sparse MLA: Triton split-K kernels (interpreted on CPU) against the torch reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_mla.ops import sparse_mla as sm
+from vllm_mla.ops.sparse_mla import (
+    KV_FORMATS,
+    SparseMLAError,
+    SparseMLANotPrepared,
+    SparseMLATypeError,
+    dispatch,
+    pack_rows,
+    scratch_bytes,
+    select_impl,
+    sparse_mla_forward,
+    sparse_mla_reference,
+)
+
+pytest.importorskip("triton")
+from vllm_mla.ops.triton import sparse_mla as kernels
+
+SCALE = 1 / math.sqrt(192 + 64)  # GLM-5's qk head dim
+
+
+def make_cache(fmt, num_blocks=5, block_size=16, *, seed=0):
+    """A cache whose pages interleave with a poisoned neighbour page (dim-0 stride is two
+    pages): a row read from the wrong place turns the result into NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    n = num_blocks * block_size
+    kv_c = torch.randn(n, 512, generator=gen) * torch.rand(n, 1, generator=gen) * 2
+    k_pe = torch.randn(n, 64, generator=gen)
+    packed = pack_rows(kv_c, k_pe, fmt)
+    if fmt == "fp8_ds_mla":
+        big = torch.full((num_blocks, 2, block_size, packed.shape[1]), 0xFF, dtype=torch.uint8)
+    else:
+        big = torch.full((num_blocks, 2, block_size, 576), float("nan"), dtype=torch.bfloat16)
+    big[:, 0] = packed.view(num_blocks, block_size, -1)
+    cache = big[:, 0]
+    assert cache.stride(0) == 2 * block_size * cache.shape[-1]
+    return cache
+
+
+def make_indices(t, k, num_rows, *, seed=0, empty=0.2):
+    gen = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(0, num_rows, (t, k), generator=gen, dtype=torch.int32)
+    idx[0, 0] = num_rows - 1  # the very last row of the cache
+    idx[torch.rand(t, k, generator=gen) < empty] = -1
+    return idx
+
+
+def make_q(t, h, *, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed + 2)
+    return (torch.randn(t, h, 576, generator=gen) * 2).to(dtype)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    _, exponent = torch.frexp(x.float().abs())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 8)
+
+
+def assert_matches(out, lse, ref, ref_lse):
+    """Interpreter dots are fp32: out within one bf16 ulp (+ fp32 summation noise), lse to
+    1e-4; empty rows exactly (0, -inf)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.float().isnan().any()
+    got, want = out.float(), ref.float()
+    tol = 1e-5 + (
+        bf16_ulp(torch.maximum(got.abs(), want.abs())) if out.dtype != torch.float32 else 0
+    )
+    assert ((got - want).abs() <= tol).all(), (got - want).abs().max()
+    if lse is not None:
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        finite = torch.isfinite(ref_lse)
+        assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-4
+        assert (out.float()[~finite] == 0).all()
+
+
+def run_both(q, cache, idx, fmt, lengths=None, **kw):
+    out, lse = sparse_mla_forward(
+        q, cache, idx, SCALE, kv_format=fmt, lengths=lengths, return_lse=True, impl="triton", **kw
+    )
+    ref, ref_lse = sparse_mla_reference(q, cache, idx, SCALE, kv_format=fmt, lengths=lengths)
+    return out, lse, ref, ref_lse
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("h", [1, 3, 8, 16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_matches_reference(fmt, h, t):
+    """K=70 is not a multiple of BLOCK_K=32; T=5 adds ragged lengths (0, short, > K)."""
+    cache = make_cache(fmt)
+    k = 70
+    idx = make_indices(t, k, cache.shape[0] * cache.shape[1], seed=h)
+    lengths = None
+    if t == 5:
+        lengths = torch.tensor([70, 33, 0, 1, 500], dtype=torch.int32)
+    q = make_q(t, h, seed=h)
+    plan = kernels.split_plan(t, h, k)
+    assert plan.num_splits == 3 and not plan.direct  # 3 chunks, one per split
+    out, lse, ref, ref_lse = run_both(q, cache, idx, fmt, lengths)
+    assert_matches(out, lse, ref, ref_lse)
+    if lengths is not None:
+        assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_direct_path_with_several_chunks(fmt, monkeypatch):
+    """One split (the extend shape): the split kernel loops over chunks and writes out."""
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    cache = make_cache(fmt)
+    t, h, k = 2, 3, 75
+    assert kernels.split_plan(t, h, k).direct
+    idx = make_indices(t, k, cache.shape[0] * cache.shape[1])
+    out, lse, ref, ref_lse = run_both(make_q(t, h), cache, idx, fmt)
+    assert_matches(out, lse, ref, ref_lse)
+    out2, none = sparse_mla_forward(make_q(t, h), cache, idx, SCALE, kv_format=fmt, impl="triton")
+    assert none is None and torch.equal(out2, out)
+
+
+def test_splits_with_several_chunks_each(monkeypatch):
+    monkeypatch.setattr(kernels, "MAX_SPLITS", 2)
+    cache = make_cache("bf16")
+    t, h, k = 2, 3, 150  # 5 chunks -> 2 splits of 3 chunks (96 rows), the last one short
+    plan = kernels.split_plan(t, h, k)
+    assert (plan.num_splits, plan.split_len) == (2, 96)
+    idx = make_indices(t, k, cache.shape[0] * cache.shape[1])
+    out, lse, ref, ref_lse = run_both(make_q(t, h), cache, idx, "bf16")
+    assert_matches(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_rows_without_valid_index(direct, monkeypatch):
+    if direct:
+        monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    cache = make_cache("fp8_ds_mla")
+    idx = make_indices(3, 40, cache.shape[0] * cache.shape[1])
+    idx[0] = -1
+    lengths = torch.tensor([40, 0, 40], dtype=torch.int32)
+    out, lse, ref, ref_lse = run_both(make_q(3, 2), cache, idx, "fp8_ds_mla", lengths)
+    assert_matches(out, lse, ref, ref_lse)
+    assert (out[:2] == 0).all() and torch.isneginf(lse[:2]).all()
+    assert torch.isfinite(lse[2]).all()
+
+
+def test_tuple_q_with_strided_nope_and_fp32():
+    """vLLM passes q_nope as a non-contiguous view; fp32 q gives fp32 out."""
+    t, h = 3, 5
+    cache = make_cache("bf16")
+    gen = torch.Generator().manual_seed(7)
+    q_nope = torch.randn(h, t, 512 + 32, generator=gen).transpose(0, 1)[..., 16:528]
+    q_pe = torch.randn(t, h, 2, 64, generator=gen)[:, :, 1]
+    assert not q_nope.is_contiguous() and not q_pe.is_contiguous()
+    idx = make_indices(t, 50, cache.shape[0] * cache.shape[1])
+    out, lse, ref, ref_lse = run_both((q_nope, q_pe), cache, idx, "bf16")
+    assert out.dtype == torch.float32
+    assert_matches(out, lse, ref, ref_lse)
+    full = torch.cat([q_nope, q_pe], dim=-1)
+    ref2, _ = sparse_mla_reference(full, cache, idx, SCALE, kv_format="bf16")
+    assert torch.equal(ref, ref2)
+
+
+def test_reference_against_dense_softmax():
+    """The oracle itself, on one hand-built row: duplicates count twice, -1 and rows past
+    lengths are ignored."""
+    cache = make_cache("bf16", num_blocks=2, block_size=4)
+    q = make_q(1, 2, dtype=torch.float32)
+    idx = torch.tensor([[3, -1, 5, 3, 7, 0]], dtype=torch.int32)
+    out, lse = sparse_mla_reference(
+        q, cache, idx, 0.1, kv_format="bf16", lengths=torch.tensor([5], dtype=torch.int32)
+    )
+    rows = cache.reshape(-1, 576)[[3, 5, 3, 7]].float()
+    s = q[0] @ rows.T * 0.1
+    torch.testing.assert_close(lse[0], torch.logsumexp(s, -1))
+    torch.testing.assert_close(out[0], torch.softmax(s, -1) @ rows[:, :512])
+
+
+def test_scratch_serves_every_smaller_call():
+    n, h, k = 40, 16, 2048
+    need = scratch_bytes(n, h, k, kv_format="fp8_ds_mla")
+    sizes = [
+        kernels.split_plan(t, h, kk).layout()[2] for t in range(1, n + 1) for kk in (1, 700, k)
+    ]
+    assert need == max(sizes) > 0
+    assert scratch_bytes(4096, 64, 2048, kv_format="bf16") == scratch_bytes(
+        300, 64, 2048, kv_format="bf16"
+    )
+    assert kernels.split_plan(32, 16, 2048) == kernels.SplitPlan(32, 16, 8, 256)
+    assert kernels.split_plan(4096, 64, 2048).direct
+
+
+def test_caller_scratch_is_used(monkeypatch):
+    cache = make_cache("bf16")
+    t, h, k = 2, 3, 70
+    idx = make_indices(t, k, cache.shape[0] * cache.shape[1])
+    scratch = torch.zeros(scratch_bytes(t, h, k, kv_format="bf16") + 16, dtype=torch.uint8)
+    allocs = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: allocs.append(a) or real_empty(*a, **kw))
+    out = real_empty(t, h, 512, dtype=torch.bfloat16)
+    lse = real_empty(t, h)
+    sparse_mla_forward(
+        make_q(t, h),
+        cache,
+        idx,
+        SCALE,
+        kv_format="bf16",
+        out=out,
+        lse=lse,
+        scratch=scratch,
+        impl="triton",
+    )
+    assert allocs == [] and scratch[:-16].any() and not scratch[-16:].any()
+    monkeypatch.undo()
+    ref, ref_lse = sparse_mla_reference(make_q(t, h), cache, idx, SCALE, kv_format="bf16")
+    assert_matches(out, lse, ref, ref_lse)
+    with pytest.raises(SparseMLAError, match="scratch: expected >= "):
+        sparse_mla_forward(
+            make_q(t, h), cache, idx, SCALE, kv_format="bf16", scratch=scratch[:100], impl="triton"
+        )
+    with pytest.raises(SparseMLAError, match="scratch: expected a 16-byte aligned"):
+        sparse_mla_forward(
+            make_q(t, h), cache, idx, SCALE, kv_format="bf16", scratch=scratch[1:], impl="triton"
+        )
+    with pytest.raises(SparseMLATypeError, match=r"scratch: expected dtype torch\.uint8"):
+        sparse_mla_forward(
+            make_q(t, h),
+            cache,
+            idx,
+            SCALE,
+            kv_format="bf16",
+            scratch=scratch.view(torch.int32),
+            impl="triton",
+        )
+
+
+def test_prewarm_then_capture_refuses_new_variants(monkeypatch):
+    monkeypatch.setattr(kernels, "_compiled", set())
+    cache = make_cache("fp8_ds_mla")
+    # T=1 splits, T=4096 would not: two variants (the big one is run on all-empty rows).
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 8)
+    warmed = sm.prewarm(
+        cache, num_heads=2, topk=40, kv_format="fp8_ds_mla", token_counts=[1, 2, 8], impl="triton"
+    )
+    assert warmed == 2 and len(sm.compiled_variants()) == 2
+    monkeypatch.setattr(kernels, "_capturing", lambda device: True)
+    idx = make_indices(2, 40, cache.shape[0] * cache.shape[1])
+    sparse_mla_forward(make_q(2, 2), cache, idx, SCALE, kv_format="fp8_ds_mla", impl="triton")
+    with pytest.raises(SparseMLANotPrepared, match="lse=True"):
+        sparse_mla_forward(
+            make_q(2, 2),
+            cache,
+            idx,
+            SCALE,
+            kv_format="fp8_ds_mla",
+            return_lse=True,
+            impl="triton",
+        )
+    with pytest.raises(SparseMLANotPrepared, match="bf16"):
+        sparse_mla_forward(
+            make_q(2, 2), make_cache("bf16"), idx, SCALE, kv_format="bf16", impl="triton"
+        )
+
+
+def good_args(t=2, h=2, k=8, fmt="bf16"):
+    cache = make_cache(fmt, num_blocks=2, block_size=8)
+    return {
+        "q": make_q(t, h),
+        "kv_cache": cache,
+        "indices": make_indices(t, k, 16),
+        "softmax_scale": SCALE,
+        "kv_format": fmt,
+    }
+
+
+def _f8_cache():
+    return torch.zeros(2, 8, 656, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("change", "exc", "match"),
+    [
+        ({"q": torch.randn(2, 2, 576).half()}, SparseMLATypeError, "q: expected dtype"),
+        ({"q": torch.randn(2, 2, 575).bfloat16()}, SparseMLAError, "q: expected shape"),
+        ({"q": torch.randn(2, 0, 576).bfloat16()}, SparseMLAError, "expected H >= 1"),
+        ({"q": (torch.randn(2, 2, 512),)}, SparseMLAError, "q: expected a \\(q_nope, q_pe\\)"),
+        (
+            {"q": (torch.randn(2, 2, 512), torch.randn(2, 3, 64))},
+            SparseMLAError,
+            "q_pe: expected shape \\[2, 2, 64\\]",
+        ),
+        (
+            {"q": (torch.randn(2, 2, 512), torch.randn(2, 2, 64).bfloat16())},
+            SparseMLATypeError,
+            "q_pe: expected dtype torch.float32",
+        ),
+        (
+            {"q": (torch.randn(2, 2, 1024)[..., ::2], torch.randn(2, 2, 64))},
+            SparseMLAError,
+            "q_nope: last dim must be contiguous",
+        ),
+        ({"kv_format": "fp8"}, SparseMLAError, "kv_format: expected one of"),
+        ({"kv_format": "fp8_ds_mla"}, SparseMLATypeError, "expects dtype torch.uint8"),
+        (
+            {"kv_format": "fp8_ds_mla", "kv_cache": torch.zeros(2, 8, 576, dtype=torch.uint8)},
+            SparseMLAError,
+            "expects \\[num_blocks, block_size, 656\\]",
+        ),
+        (
+            {"kv_cache": torch.zeros(2, 8, 1152, dtype=torch.bfloat16)[..., ::2]},
+            SparseMLAError,
+            "kv_cache: last dim must be contiguous",
+        ),
+        ({"kv_cache": torch.zeros(0, 8, 576).bfloat16()}, SparseMLAError, "non-empty cache"),
+        (
+            {"indices": torch.zeros(2, 8, dtype=torch.int64)},
+            SparseMLATypeError,
+            "indices: expected dtype torch.int32",
+        ),
+        (
+            {"indices": torch.zeros(3, 8, dtype=torch.int32)},
+            SparseMLAError,
+            "indices: expected shape \\[2, \\*\\]",
+        ),
+        ({"indices": torch.zeros(2, 0, dtype=torch.int32)}, SparseMLAError, "K >= 1"),
+        (
+            {"lengths": torch.zeros(2, dtype=torch.int64)},
+            SparseMLATypeError,
+            "lengths: expected dtype",
+        ),
+        (
+            {"lengths": torch.zeros(3, dtype=torch.int32)},
+            SparseMLAError,
+            "lengths: expected shape \\[2\\]",
+        ),
+        (
+            {"out": torch.empty(2, 2, 576).bfloat16()},
+            SparseMLAError,
+            "out: expected shape \\[2, 2, 512\\]",
+        ),
+        ({"out": torch.empty(2, 2, 512)}, SparseMLATypeError, "out: expected dtype torch.bfloat16"),
+        ({"lse": torch.empty(2, 2).bfloat16()}, SparseMLATypeError, "lse: expected dtype"),
+        ({"lse": torch.empty(2, 4)[:, ::2]}, SparseMLAError, "lse: last dim must be contiguous"),
+        (
+            {"indices": torch.zeros(2, 8, dtype=torch.int32, device="meta")},
+            SparseMLAError,
+            "indices: expected device cpu",
+        ),
+        (
+            {"softmax_scale": torch.tensor(1.0)},
+            SparseMLATypeError,
+            "softmax_scale: expected a float",
+        ),
+        ({"impl": "cuda"}, SparseMLAError, "impl: expected one of"),
+        ({"impl": "b12x"}, NotImplementedError, "impl='b12x' needs b12x"),
+    ],
+)
+def test_bad_input_names_the_argument(change, exc, match):
+    args = {**good_args(), **change}
+    with pytest.raises(exc, match=match):
+        sparse_mla_forward(**args)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(dispatch.envs, "triton_interpret", lambda: False)
+    with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
+        sparse_mla_forward(**good_args(), impl="triton")
+
+
+def test_reference_rejects_rows_outside_the_cache():
+    args = good_args()
+    args["indices"][1, 3] = 16
+    with pytest.raises(SparseMLAError, match="expected rows < 16"):
+        sparse_mla_reference(**args)
+
+
+def fake_cuda(monkeypatch, capability, *, b12x=None, supported=True, runner=True):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    module = None
+    if b12x:
+        module = type("B12X", (), {"is_supported": staticmethod(lambda device: supported)})
+    monkeypatch.setattr(dispatch, "_b12x_module", lambda: module)
+    monkeypatch.setattr(dispatch, "_b12x_runner", (lambda *a, **k: None) if runner else None)
+
+
+@pytest.mark.parametrize(
+    ("capability", "b12x", "supported", "runner", "want"),
+    [
+        ((12, 0), True, True, True, "b12x"),
+        ((12, 1), True, True, True, "b12x"),
+        ((12, 0), True, False, True, "triton"),  # b12x says no
+        ((12, 0), True, True, False, "triton"),  # no runner registered by the backend
+        ((12, 0), False, True, True, "triton"),  # not installed
+        ((10, 0), True, True, True, "triton"),  # b12x only on SM120/121
+        ((9, 0), False, True, True, "triton"),
+        ((8, 0), False, True, True, "triton"),
+        ((7, 5), False, True, True, "reference"),
+    ],
+)
+def test_select_impl(monkeypatch, capability, b12x, supported, runner, want):
+    fake_cuda(monkeypatch, capability, b12x=b12x, supported=supported, runner=runner)
+    assert select_impl("cuda") == want
+    assert select_impl("cpu") == "reference"
+
+
+def test_auto_on_cpu_runs_the_reference_and_b12x_gets_validated_tensors(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "launch", lambda *a, **k: calls.append("triton"))
+    args = good_args()
+    out, lse = sparse_mla_forward(**args, return_lse=True)
+    assert calls == []
+    ref, ref_lse = sparse_mla_reference(**args)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    got = {}
+    monkeypatch.setattr(dispatch, "_resolve", lambda impl, device: "b12x")
+    monkeypatch.setattr(dispatch, "_b12x_runner", lambda *a, **k: got.update(args=a, kw=k))
+    sparse_mla_forward(**args)
+    q_nope, q_pe = got["args"][:2]
+    assert q_nope.shape == (2, 2, 512) and q_pe.shape == (2, 2, 64)
+    assert got["kw"] == {"softmax_scale": SCALE, "kv_format": "bf16"}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_custom_op_passes_opcheck(impl):
+    cache = make_cache("fp8_ds_mla", num_blocks=2, block_size=8)
+    t, h = 2, 1
+    q = make_q(t, h)
+    idx = make_indices(t, 16, 16)
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16)
+    lse = torch.empty(t, h)
+    lengths = torch.tensor([16, 3], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.vllm_mla.sparse_mla_forward,
+        (
+            q[..., :512],
+            q[..., 512:],
+            cache,
+            idx,
+            lengths,
+            out,
+            lse,
+            None,
+            SCALE,
+            "fp8_ds_mla",
+            impl,
+        ),
+        test_utils=(
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_dynamic",
+        ),
+    )
+
+
+AOT_SCRIPT = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_mla.ops.triton import sparse_mla as k
+
+INTS = ["T", "H", "K", "split_len", "block_size"]
+STRIDES = ["s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t", "s_idx", "s_o_t",
+           "s_o_h", "s_lse_t"]
+ALIGNED = {"H", "block_size", "s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t",
+           "s_o_t", "s_o_h"}
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+report = []
+for arch, fmt, direct in json.loads(sys.argv[1]):
+    fp8 = fmt == "fp8_ds_mla"
+    sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16",
+           "idx_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if direct else "*fp32",
+           "lse_ptr": "*fp32", "l_ptr": "*fp32", **{n: "i32" for n in INTS},
+           "qk_scale": "fp32", **{n: "i32" for n in STRIDES}}
+    const = dict(FP8=fp8, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True,
+                 BLOCK_H=k.BLOCK_H, BLOCK_K=k.BLOCK_K, INTERPRET=False)
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n in ALIGNED}
+    sig.update({c: "constexpr" for c in const})
+    stages = 1 if arch >= 120 else 2
+    ck = triton.compile(ASTSource(k._sparse_mla_split_kernel, sig, const, attrs),
+                        target=GPUTarget("cuda", arch, 32),
+                        options=dict(num_warps=k.NUM_WARPS, num_stages=stages))
+    usage = ""
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(ck.asm["cubin"]); f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True).stdout
+    report.append({"arch": arch, "fmt": fmt, "direct": direct, "shared": ck.metadata.shared,
+                   "usage": usage})
+print(json.dumps(report))
+"""
+
+
+def test_kernel_compiles_for_gpu_targets():
+    """Lower the split kernel to cubin for sm80/90/120 with Triton's bundled ptxas (no
+    GPU needed): it compiles, fits SM12x's 99 KiB of shared memory and does not spill."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    cases = [[90, "fp8_ds_mla", False], [120, "fp8_ds_mla", True], [120, "bf16", False]]
+    cases.append([80, "bf16", True])
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(report) == len(cases)
+    for r in report:
+        assert r["shared"] <= 99 * 1024, r
+        if r["usage"]:
+            regs = int(r["usage"].split("REG:")[1].split()[0])
+            stack = int(r["usage"].split("STACK:")[1].split()[0])
+            assert regs <= 255 and stack <= 16, r  # 8 bytes of frame seen on sm120
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_zero_tokens_and_negative_lengths(impl):
+    cache = make_cache("bf16")
+    empty = torch.zeros(0, 4, dtype=torch.int32)
+    out, lse = sparse_mla_forward(
+        make_q(0, 2), cache, empty, SCALE, kv_format="bf16", return_lse=True, impl=impl
+    )
+    assert out.shape == (0, 2, 512) and lse.shape == (0, 2)
+    idx = make_indices(2, 8, 80, empty=0.0)
+    lengths = torch.tensor([-3, 8], dtype=torch.int32)
+    out, lse, ref, ref_lse = run_both(make_q(2, 2), cache, idx, "bf16", lengths)
+    assert_matches(out, lse, ref, ref_lse)
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()

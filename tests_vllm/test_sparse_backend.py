@@ -1,0 +1,461 @@
+"""B12X_MLA_SPARSE inside vLLM 0.33 (CPU): registration, cache dtype, validation, owners."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import mla_layer
+from vllm.model_executor.layers.attention import mla_attention
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from vllm_mla.backends.b12x_sparse import PreparationSession
+from vllm_mla.vllm import plugin
+from vllm_mla.vllm.sparse import impl as impl_mod
+from vllm_mla.vllm.sparse import registration
+from vllm_mla.vllm.sparse.backend import B12XMLASparseBackend
+from vllm_mla.vllm.sparse.impl import B12XMLASparseImpl
+
+H, TOPK, BLOCK = 3, 128, 64
+
+
+def canonical(backend, dtype):
+    return mla_attention._canonicalize_sparse_mla_kv_cache_dtype(backend, dtype)
+
+
+# -- registration ---------------------------------------------------------------------
+def test_registered_by_name_and_as_custom(registered, caplog):
+    assert AttentionBackendEnum["B12X_MLA_SPARSE"].get_class() is B12XMLASparseBackend
+    assert AttentionBackendEnum.CUSTOM.get_class() is B12XMLASparseBackend
+    assert "--attention-backend CUSTOM" in registered["sparse"]
+
+
+def test_double_registration_is_a_no_op(registered):
+    assert "already" in registration.register()
+    plugin._result = None
+    assert plugin.register()["sparse"].startswith("applied")
+    # control: vLLM itself raises on a second registration of the name
+    with pytest.raises(ValueError, match="already exists"):
+        register_backend("B12X_MLA_SPARSE", registration.CLASS_PATH)
+
+
+def test_start_up_line_names_the_custom_fallback(monkeypatch, caplog):
+    monkeypatch.delenv("VLLM_MLA_FEATURES", raising=False)
+    plugin.reset()
+    with caplog.at_level(logging.INFO, logger="vllm_mla"):
+        plugin.register()
+    assert "use --attention-backend CUSTOM" in caplog.text
+
+
+def test_custom_owned_by_another_plugin_is_left_alone(registered):
+    registration.unregister_custom()
+    register_backend(AttentionBackendEnum.CUSTOM, "other.plugin.Backend")
+    try:
+        assert "CUSTOM is taken by other.plugin.Backend" in registration.register()
+    finally:
+        AttentionBackendEnum.CUSTOM.clear_override()
+        registration.register()
+
+
+# -- cache dtype ----------------------------------------------------------------------
+def test_auto_and_fp8_resolve_to_fp8_ds_mla_for_ours_only(registered):
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
+        FlashInferMLASparseTRTLLMBackend as Other,
+    )
+
+    for dtype in ("auto", "fp8", "fp8_e4m3"):
+        assert canonical(B12XMLASparseBackend, dtype) == "fp8_ds_mla"
+        assert canonical(Other, dtype) == dtype  # another backend: unchanged
+    assert canonical(B12XMLASparseBackend, "bfloat16") == "bfloat16"
+    assert canonical(AttentionBackendEnum.CUSTOM.get_class(), "fp8") == "fp8_ds_mla"
+
+
+def test_control_without_the_patch_auto_stays_auto(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_FEATURES", "lifecycle")
+    plugin.reset()
+    plugin.register()
+    assert canonical(B12XMLASparseBackend, "auto") == "auto"
+    assert canonical(B12XMLASparseBackend, "fp8") == "fp8"
+
+
+# -- class-level validation -----------------------------------------------------------
+def validate(
+    head=576, dtype=torch.bfloat16, kv="fp8_ds_mla", block=64, sparse=True, cap=(12, 0), **kw
+):
+    return B12XMLASparseBackend.validate_configuration(
+        head,
+        dtype,
+        kv,
+        block,
+        True,
+        False,
+        sparse,
+        False,
+        False,
+        DeviceCapability(*cap),
+        "decoder",
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bfloat16", "auto", "fp8"])
+@pytest.mark.parametrize("block", [64, 128, 256])
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 1)])
+def test_validate_accepts_what_it_serves(kv, block, cap):
+    assert validate(kv=kv, block=block, cap=cap) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"head": 512}, "head_size not supported"),
+        ({"dtype": torch.float16}, "dtype not supported"),
+        ({"kv": "fp8_e5m2"}, "kv_cache_dtype not supported"),
+        ({"kv": "nvfp4_ds_mla"}, "kv_cache_dtype not supported"),
+        ({"block": 32}, "block_size not supported"),
+        ({"block": 16}, "block_size not supported"),
+        ({"sparse": False}, "non-sparse not supported"),
+        ({"cap": (7, 5)}, "compute capability not supported"),
+        ({"use_pcp": True}, "PCP not supported"),
+        ({"use_dcp": True}, "DCP not supported"),
+    ],
+)
+def test_validate_rejects_with_a_reason(change, reason):
+    assert reason in validate(**change)
+
+
+def test_blocks_are_aligned_to_64_row_pages():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=torch.uint8,
+        cache_dtype_str="fp8_ds_mla",
+    )
+    aligned = B12XMLASparseBackend.customize_spec(spec)
+    assert aligned.block_stride_alignment == 64 * spec.state_content_size_bytes
+
+
+# -- impl: flags and owners -----------------------------------------------------------
+def numpy_buffer(rows=8):
+    backing = np.full((rows, TOPK), -1, dtype=np.int32)
+    return torch.from_numpy(backing), weakref.ref(backing)
+
+
+def make_impl(kv_cache_dtype="fp8_ds_mla", indexer=None, buffer=None, **extra):
+    return B12XMLASparseImpl(
+        H,
+        576,
+        576**-0.5,
+        1,
+        None,
+        None,
+        kv_cache_dtype,
+        None,
+        "decoder",
+        None,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        qk_head_dim=192,
+        v_head_dim=128,
+        kv_b_proj=torch.nn.Linear(2, 2),
+        indexer=indexer,
+        topk_indices_buffer=buffer,
+        **extra,
+    )
+
+
+def test_impl_flags_and_hooks():
+    impl = make_impl(buffer=numpy_buffer()[0])
+    assert impl.is_sparse and not impl.supports_dense_mha_prefill
+    assert not impl.supports_quant_query_input and not impl.supports_pcp
+    assert not B12XMLASparseBackend.supports_pcp() and not B12XMLASparseBackend.supports_dcp()
+    impl.record_logical_topk_ready()
+    impl.prepare_for_batch(None)
+    assert impl.index_group is None  # the layer then builds no HiSparse cache handle
+
+
+def test_no_group_conversion_buffers_or_events():
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    from vllm_mla.memory import AllocationTrace
+
+    buf = numpy_buffer()[0]
+    builder = SparseMLAIndexGroupBuilder(buf)
+    with AllocationTrace("cpu") as trace:
+        make_impl(
+            indexer=SimpleNamespace(topk_indices_buffer=buf),
+            buffer=buf,
+            index_group_builder=builder,
+        )
+    assert builder.current_group is None
+    assert sum(a.size for a in trace.allocations() if not a.freed) < 1024  # no rows x topk
+    # control: what SparseMLACommonImpl.__init__ does with the same builder
+    with AllocationTrace("cpu") as trace:
+        builder.register_layer(True, None, head_size=576, kv_cache_dtype="fp8_ds_mla")
+    assert builder.current_group is not None
+    assert sum(a.size for a in trace.allocations() if not a.freed) >= 9 * TOPK * 4
+
+
+def test_no_shadow_selection_buffer_when_the_indexer_owns_it():
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SharedTopkIndicesBuffer,
+    )
+
+    draft, draft_alive = numpy_buffer()
+    indexer = SimpleNamespace(topk_indices_buffer=draft)
+    impl = make_impl(indexer=indexer, buffer=draft)
+    upstream = SharedTopkIndicesBuffer()  # control: vLLM's mixin keeps both
+    upstream.init_topk_indices_buffer(indexer, draft)
+    target = numpy_buffer()[0]
+    indexer.topk_indices_buffer = target  # MTP re-points the draft indexer
+    del draft
+    gc.collect()
+    assert draft_alive() is not None  # held by the upstream mixin's fallback field
+    del upstream
+    gc.collect()
+    assert draft_alive() is None  # ours held only the indexer
+    assert impl.topk_indices_buffer is target
+
+
+def test_fp8_without_the_patch_is_refused_with_a_hint():
+    with pytest.raises(NotImplementedError, match="--kv-cache-dtype fp8_ds_mla"):
+        make_impl(kv_cache_dtype="fp8", buffer=numpy_buffer()[0])
+
+
+# -- forward_mqa on CPU ---------------------------------------------------------------
+def pack_fp8(kv_c, k_pe):
+    """fp8_ds_mla records with unit scales (values chosen exactly representable)."""
+    rows = kv_c.shape[0]
+    out = torch.empty(rows, 656, dtype=torch.uint8)
+    out[:, :512] = kv_c.to(torch.float8_e4m3fn).view(torch.uint8)
+    out[:, 512:528] = torch.ones(rows, 4).view(torch.uint8)
+    out[:, 528:] = k_pe.bfloat16().view(torch.uint8)
+    return out
+
+
+def reference(q_full, kv, physical, scale):
+    """Plain torch over decoded rows ``kv [rows, 576]`` fp32; -1 rows masked."""
+    rows = kv[physical.long().clamp(min=0)]
+    scores = torch.einsum("thd,tkd->thk", q_full.float(), rows) * scale
+    scores = scores.masked_fill((physical < 0)[:, None, :], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)  # an empty row gives 0
+    return torch.einsum("thk,tkd->thd", probs, rows[..., :512])
+
+
+def decode(cache, kv_format):
+    """Records of a ``[blocks, 64, W]`` cache -> fp32 ``[rows, 576]``."""
+    flat = cache.reshape(-1, cache.shape[-1])
+    if kv_format == "bf16":
+        return flat.float()
+    scales = flat[:, 512:528].contiguous().view(torch.float32)
+    kv_c = flat[:, :512].contiguous().view(torch.float8_e4m3fn).float()
+    kv_c = (kv_c.view(-1, 4, 128) * scales[..., None]).view(-1, 512)
+    return torch.cat([kv_c, flat[:, 528:].contiguous().view(torch.bfloat16).float()], -1)
+
+
+class SpyKernel:
+    """Records the indices that reached the kernel; decodes the cache it was given."""
+
+    def __init__(self):
+        self.indices = []
+
+    select_impl = staticmethod(lambda device: "reference")
+    scratch_bytes = staticmethod(lambda t, h, k, *, kv_format: t * h * 1024)
+
+    def sparse_mla_forward(
+        self,
+        q,
+        kv_cache,
+        indices,
+        scale,
+        *,
+        kv_format,
+        lengths=None,
+        out=None,
+        scratch=None,
+        return_lse=False,
+        impl="auto",
+    ):
+        self.indices.append(indices.clone())
+        rows = decode(kv_cache, kv_format)
+        return reference(torch.cat(q, -1), rows, indices, scale).bfloat16(), None
+
+
+def real_kernel():
+    """The kernel module when the parallel work has landed it, else None."""
+    try:
+        from vllm_mla.ops import sparse_mla
+    except ImportError:
+        return None
+    return sparse_mla if hasattr(sparse_mla, "sparse_mla_forward") else None
+
+
+@pytest.fixture
+def cpu_session(monkeypatch):
+    impl_mod.reset_sessions()
+    yield
+    impl_mod.reset_sessions()
+
+
+@pytest.mark.parametrize("kernel_kind", ["spy", "real"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "bfloat16"])
+def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dtype, kernel_kind):
+    gen = torch.Generator().manual_seed(0)
+    blocks = 4
+    kv_c = (torch.randint(-8, 8, (blocks * BLOCK, 512), generator=gen) / 4).float()
+    k_pe = torch.randn(blocks * BLOCK, 64, generator=gen).bfloat16().float()
+    decoded = torch.cat([kv_c, k_pe], -1)
+    if kv_cache_dtype == "fp8_ds_mla":
+        cache = pack_fp8(kv_c, k_pe).view(blocks, BLOCK, 656)
+    else:
+        cache = decoded.bfloat16().view(blocks, BLOCK, 576)
+    spy = SpyKernel()
+    kernel = spy if kernel_kind == "spy" else real_kernel()
+    if kernel is None:
+        pytest.skip("vllm_mla.ops.sparse_mla has no sparse_mla_forward yet")
+    impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=kernel)
+
+    buf = torch.full((8, TOPK), -1, dtype=torch.int32)
+    buf[0, :3] = torch.tensor([0, 65, 3])  # request 1 (blocks 3, 1)
+    buf[1, :2] = torch.tensor([63, 64])  # request 0 (blocks 2, 0)
+    buf[2, :1] = torch.tensor([130])  # request 0: block 2 of the table is past its end
+    impl = make_impl(kv_cache_dtype, indexer=SimpleNamespace(topk_indices_buffer=buf), buffer=buf)
+    metadata = SimpleNamespace(
+        req_id_per_token=torch.tensor([1, 0, 0], dtype=torch.int32),
+        block_table=torch.tensor([[2, 0], [3, 1]], dtype=torch.int32),
+        block_size=BLOCK,
+        num_decode_tokens=3,
+    )
+    q_full = torch.randn(3, H, 576, generator=gen).bfloat16()
+    q = (q_full[..., :512], q_full[..., 512:])  # strided, as vLLM passes it
+    out, lse = impl.forward_mqa(q, cache, metadata, layer=None)
+
+    expected_rows = torch.full((3, TOPK), -1, dtype=torch.int32)
+    expected_rows[0, :3] = torch.tensor([3 * 64 + 0, 1 * 64 + 1, 3 * 64 + 3])
+    expected_rows[1, :2] = torch.tensor([2 * 64 + 63, 0 * 64 + 0])
+    if kernel is spy:
+        assert torch.equal(spy.indices[-1], expected_rows)
+    torch.testing.assert_close(
+        out.float(), reference(q_full, decoded, expected_rows, 576**-0.5), atol=2e-2, rtol=2e-2
+    )
+    assert lse is None and out.shape == (3, H, 512)
+    assert impl.kv_binding.bound  # the layer's pool is bound (views only, see core tests)
+
+
+def test_scratch_comes_from_vllms_workspace_and_lock_freezes(cpu_session, monkeypatch):
+    from vllm.v1.worker import workspace
+
+    if not torch.accelerator.is_available():
+        # vLLM 0.32's workspace resize returns freed GPU memory with
+        # torch.accelerator.empty_cache(), which raises without an accelerator
+        monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+
+    kernel = SpyKernel()
+    impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=kernel)
+    impl = make_impl("bfloat16", buffer=torch.full((8, TOPK), -1, dtype=torch.int32))
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        impl.process_weights_after_loading(torch.bfloat16)
+        impl.reserve_workspace()  # the profile run
+        manager = workspace.current_workspace_manager()
+        assert manager._current_workspaces[0].numel() == impl.plan.scratch_bytes
+        assert impl.plan.scratch_bytes == SpyKernel.scratch_bytes(8192, H, TOPK, kv_format="bf16")
+        assert not impl.session.frozen
+        workspace.lock_workspace()  # vLLM, after capture
+        impl._scratch()
+        assert impl.session.frozen
+    finally:
+        workspace.reset_workspace_manager()
+
+
+# -- kv_b_proj released under MQA-only ------------------------------------------------
+@pytest.mark.parametrize("backend_cls", ["ours", "custom", "other"])
+def test_kv_b_proj_released_only_for_this_backend(
+    registered, cpu_session, monkeypatch, backend_cls
+):
+    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    layer = mla_layer("fp8-block")
+    layer.attn_backend = {
+        "ours": B12XMLASparseBackend,
+        "custom": AttentionBackendEnum.CUSTOM.get_class(),
+        "other": FlashMLASparseBackend,  # control: same flags, not our capability
+    }[backend_cls]
+    impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=SpyKernel())
+    layer.impl = make_impl(buffer=numpy_buffer()[0])
+    layer.prefill_backend = None  # what MLAAttention.__init__ sets for this impl
+    with torch.no_grad():
+        layer.process_weights_after_loading(torch.bfloat16)
+    released = layer.kv_b_proj.weight.numel() == 0
+    assert released == (backend_cls != "other")
+    assert layer.impl.plan is not None  # the impl hook ran first (preparation point)
+
+
+# -- metadata builder -----------------------------------------------------------------
+def builder_config(spec_tokens=None):
+    spec = (
+        None
+        if spec_tokens is None
+        else SimpleNamespace(num_speculative_tokens=spec_tokens, parallel_drafting=False)
+    )
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(index_topk=TOPK)),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        speculative_config=spec,
+    )
+
+
+def test_builder_is_lean_and_reorders_decode_first():
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_mla.memory import AllocationTrace
+    from vllm_mla.vllm.sparse.metadata import B12XMLASparseMetadataBuilder
+
+    spec = SimpleNamespace(block_size=BLOCK)
+    with AllocationTrace("cpu") as trace:
+        builder = B12XMLASparseMetadataBuilder(spec, ["l0"], builder_config(), "cpu")
+    # one int32 per schedulable token, nothing else (no chunked-prefill workspace)
+    assert sum(a.size for a in trace.allocations() if not a.freed) == 256 * 4
+    assert builder.reorder_batch_threshold == 1
+    # batch: two decodes (1 token each) then one prefill of 3 tokens
+    qsl = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor([9, 70, 3]),
+        num_reqs=3,
+        num_actual_tokens=5,
+        max_query_len=3,
+        max_seq_len=70,
+        block_table_tensor=torch.zeros(3, 2, dtype=torch.int32),
+        slot_mapping=torch.zeros(5, dtype=torch.int64),
+    )
+    # vLLM maps tokens to requests with a Triton kernel (GPU); on CPU, seed its cache
+    mapping = builder.req_id_per_token_buffer[:5]
+    mapping.copy_(torch.tensor([0, 1, 2, 2, 2]))
+    cam._token_to_req_indices_cache = mapping
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 2, 1)
+    assert md.prefill is None and md.req_id_per_token.data_ptr() == mapping.data_ptr()
+    assert md.block_size == BLOCK and md.topk_tokens == TOPK
+
+
+def test_builder_threshold_follows_speculative_decoding():
+    from vllm_mla.vllm.sparse.metadata import B12XMLASparseMetadataBuilder
+
+    spec = SimpleNamespace(block_size=BLOCK)
+    builder = B12XMLASparseMetadataBuilder(spec, ["l0"], builder_config(3), "cpu")
+    assert builder.reorder_batch_threshold == 4  # 1 + 3 drafts go decode-first too

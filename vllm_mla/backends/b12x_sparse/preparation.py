@@ -1,0 +1,437 @@
+"""Sparse-MLA preparation with explicit ownership: plan -> prepare -> bind -> run -> release.
+
+Guarantees (each checked by a test in tests/test_b12x_sparse_preparation.py):
+
+- ``plan(caps)`` is declarative: it computes the scratch size and the launch variants
+  to prepare, and allocates nothing.
+- ``PreparationSession.prepare(plan)`` compiles/autotunes every declared variant on
+  synthetic probe tensors that are freed when it returns: no plan, binding, session
+  or closure keeps them. It verifies this itself (weak references) and raises
+  ``ProbeRetained`` when a probe outlives it.
+- After ``freeze()``, a launch whose variant was not prepared raises
+  ``SparseMLANotPrepared`` instead of compiling (also during CUDA-graph capture,
+  frozen or not); ``prepare`` raises ``PreparationFrozen``. Where the kernel module
+  tracks its compiled variants (``compiled_variants()``), a run after ``freeze()``
+  that made it compile anything raises too (the kernel's own key sees strides and
+  alignment, which a plan cannot).
+- ``bind(plan, scratch=, q=, kv_cache=, indices=, lengths=)`` holds only the
+  caller-owned live inputs; ``run(binding)`` launches on them.
+- ``release(plan)`` drops the session's scratch and prepared variants for the plan;
+  bindings of a released plan raise ``PlanReleased``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+LATENT = 512  # kv_lora_rank L: the value/output width
+ROPE = 64  # qk_rope_head_dim R
+HEAD_SIZE = LATENT + ROPE  # 576: the MQA query/key width
+FP8_DS_MLA_RECORD = 656  # bytes: 512 e4m3 + 4 fp32 scales + 64 bf16 k_pe
+KV_FORMATS = ("fp8_ds_mla", "bf16")
+KERNEL_MODULE = "vllm_mla.ops.sparse_mla"
+# Implementations with nothing to compile: prepare records their variants without
+# probes (full-capacity probes through plain torch would be huge and useless).
+NO_COMPILE_IMPLS = ("reference",)
+
+
+class SparseMLAError(RuntimeError):
+    """Base of the preparation errors."""
+
+
+class PreparationFrozen(SparseMLAError):
+    """``prepare`` was called after ``freeze()``."""
+
+
+class SparseMLANotPrepared(SparseMLAError):
+    """A launch needs a variant that was never prepared (frozen session or capture)."""
+
+
+class ProbeRetained(SparseMLAError):
+    """A synthetic probe tensor is still referenced after ``prepare`` returned."""
+
+
+class PlanReleased(SparseMLAError):
+    """A binding or scratch request refers to a plan that ``release`` has dropped."""
+
+
+@dataclass(frozen=True)
+class SparseMLACaps:
+    """Declared capacities of one sparse-MLA launch site (a layer group).
+
+    ``token_buckets`` are the token counts prepared (graph-visible sizes); empty means
+    powers of two up to ``max_tokens`` plus ``max_tokens`` itself.
+    """
+
+    max_tokens: int
+    num_heads: int
+    topk: int
+    kv_format: str = "fp8_ds_mla"
+    block_size: int = 64
+    q_dtype: torch.dtype = torch.bfloat16
+    split_query: bool = True  # q arrives as (q_nope [T,H,512] strided, q_pe [T,H,64])
+    with_lengths: bool = False
+    return_lse: bool = False
+    token_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "num_heads", "topk", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SparseMLACaps.{name}: expected a positive int, got {value!r}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(
+                f"SparseMLACaps.kv_format: expected one of {KV_FORMATS}, got {self.kv_format!r}"
+            )
+        if self.block_size % 64:
+            raise ValueError(
+                f"SparseMLACaps.block_size: expected a multiple of 64, got {self.block_size}"
+            )
+        if self.q_dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"SparseMLACaps.q_dtype: expected bf16 or fp16, got {self.q_dtype}")
+        bad = [t for t in self.token_buckets if not 1 <= t <= self.max_tokens]
+        if bad:
+            raise ValueError(
+                f"SparseMLACaps.token_buckets: expected sizes in [1, {self.max_tokens}], got {bad}"
+            )
+
+    def buckets(self) -> tuple[int, ...]:
+        """The prepared token counts, ascending; the last is ``max_tokens``."""
+        if self.token_buckets:
+            return tuple(sorted(set(self.token_buckets) | {self.max_tokens}))
+        powers = itertools.takewhile(lambda t: t < self.max_tokens, (1 << i for i in range(40)))
+        return (*powers, self.max_tokens)
+
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest prepared token count >= ``num_tokens``."""
+        for size in self.buckets():
+            if num_tokens <= size:
+                return size
+        raise ValueError(
+            f"{num_tokens} tokens exceed the declared capacity max_tokens={self.max_tokens}"
+        )
+
+
+def record_width(kv_format: str) -> tuple[int, torch.dtype]:
+    """(elements per cache row, element dtype) of a cache format."""
+    if kv_format == "fp8_ds_mla":
+        return FP8_DS_MLA_RECORD, torch.uint8
+    if kv_format == "bf16":
+        return HEAD_SIZE, torch.bfloat16
+    raise ValueError(f"kv_format: expected one of {KV_FORMATS}, got {kv_format!r}")
+
+
+def load_kernel() -> ModuleType:
+    """The sparse-MLA kernel module (``vllm_mla.ops.sparse_mla``)."""
+    return importlib.import_module(KERNEL_MODULE)
+
+
+@dataclass(frozen=True)
+class SparseMLAPlan:
+    """What a launch site needs; holds sizes and keys only, never a tensor."""
+
+    caps: SparseMLACaps
+    impl: str
+    scratch_bytes: int
+    variants: tuple[tuple, ...]
+    plan_id: int = field(default_factory=itertools.count().__next__, compare=False)
+
+
+def launch_key(caps: SparseMLACaps, impl: str, num_tokens: int, device: torch.device) -> tuple:
+    """The launch specialization a prepared variant stands for."""
+    return (
+        impl,
+        device.type,
+        caps.kv_format,
+        caps.num_heads,
+        caps.topk,
+        caps.bucket(num_tokens),
+        caps.q_dtype,
+        caps.split_query,
+        caps.with_lengths,
+        caps.return_lse,
+    )
+
+
+def plan(
+    caps: SparseMLACaps,
+    *,
+    device: torch.device | str = "cpu",
+    kernel: Any = None,
+    impl: str | None = None,
+) -> SparseMLAPlan:
+    """Declare a launch site: its scratch size and variants. Allocates nothing.
+
+    ``impl`` forces an implementation (tests, benchmarks); default: the kernel's choice
+    for ``device``.
+    """
+    kernel = kernel if kernel is not None else load_kernel()
+    device = torch.device(device)
+    impl = impl or kernel.select_impl(device)
+    scratch = int(
+        kernel.scratch_bytes(caps.max_tokens, caps.num_heads, caps.topk, kv_format=caps.kv_format)
+    )
+    variants = tuple(launch_key(caps, impl, t, device) for t in caps.buckets())
+    return SparseMLAPlan(caps, impl, scratch, variants)
+
+
+@dataclass(frozen=True)
+class SparseMLABinding:
+    """Caller-owned live inputs bound to a plan; nothing here is owned by the session."""
+
+    plan: SparseMLAPlan
+    scratch: torch.Tensor | None
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    kv_cache: torch.Tensor
+    indices: torch.Tensor
+    lengths: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.q[0] if isinstance(self.q, tuple) else self.q).shape[0]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class PreparationSession:
+    """Owns prepared variants and (optionally) per-plan scratch; see the module docstring.
+
+    ``probe_observer`` (tests, census) is called with every probe tensor created; it
+    must not keep a strong reference or ``prepare`` raises ``ProbeRetained``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        kernel: Any = None,
+        probe_observer: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self._kernel = kernel
+        self._observer = probe_observer
+        self._prepared: dict[int, set[tuple]] = {}
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._released: set[int] = set()
+        self._frozen = False
+        self._frozen_variants: int | None = None
+
+    @property
+    def kernel(self) -> Any:
+        if self._kernel is None:
+            self._kernel = load_kernel()
+        return self._kernel
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def plan(self, caps: SparseMLACaps, impl: str | None = None) -> SparseMLAPlan:
+        """``plan(caps)`` for this session's device and kernel."""
+        return plan(caps, device=self.device, kernel=self.kernel, impl=impl)
+
+    def prepare(self, plan: SparseMLAPlan) -> None:
+        """Launch every declared variant once on synthetic probes, then verify they died."""
+        if self._frozen:
+            raise PreparationFrozen(
+                f"prepare(plan {plan.plan_id}) after freeze(): preparation must finish "
+                "before CUDA-graph capture"
+            )
+        self._released.discard(plan.plan_id)
+        probes: list[tuple[str, weakref.ref]] = []
+        for num_tokens in plan.caps.buckets():
+            if plan.impl not in NO_COMPILE_IMPLS:
+                self._probe_launch(plan, num_tokens, probes)
+            self._prepared.setdefault(plan.plan_id, set()).add(
+                launch_key(plan.caps, plan.impl, num_tokens, self.device)
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        alive = [name for name, ref in probes if ref() is not None]
+        if alive:
+            gc.collect()  # a reference cycle is not a retention; only a live owner is
+            alive = [name for name, ref in probes if ref() is not None]
+        if alive:
+            raise ProbeRetained(
+                f"probe tensors still referenced after prepare(plan {plan.plan_id}): "
+                f"{', '.join(alive)} (expected none; a plan, cache or closure keeps them)"
+            )
+
+    def _probe_launch(
+        self, plan: SparseMLAPlan, num_tokens: int, probes: list[tuple[str, weakref.ref]]
+    ) -> None:
+        """One launch on fresh probes; they are locals of this frame only."""
+        caps = plan.caps
+        gen = torch.Generator(device="cpu").manual_seed(num_tokens)
+        width, cache_dtype = record_width(caps.kv_format)
+        blocks = -(-caps.topk // caps.block_size)
+        rows = blocks * caps.block_size
+        if caps.split_query:
+            full = torch.randn(num_tokens, caps.num_heads, HEAD_SIZE, generator=gen)
+            full = full.to(device=self.device, dtype=caps.q_dtype)
+            q: Any = (full[..., :LATENT], full[..., LATENT:])  # strided like vLLM's
+        else:
+            full = torch.randn(num_tokens, caps.num_heads, HEAD_SIZE, generator=gen)
+            q = full = full.to(device=self.device, dtype=caps.q_dtype)
+        if cache_dtype == torch.uint8:
+            kv = torch.zeros(blocks, caps.block_size, width, dtype=cache_dtype, device=self.device)
+        else:
+            kv = torch.randn(blocks, caps.block_size, width, generator=gen)
+            kv = kv.to(device=self.device, dtype=cache_dtype)
+        idx = torch.randint(-1, rows, (num_tokens, caps.topk), generator=gen, dtype=torch.int32)
+        idx = idx.to(self.device)
+        lengths = None
+        if caps.with_lengths:
+            lengths = torch.full((num_tokens,), caps.topk, dtype=torch.int32, device=self.device)
+        scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=self.device)
+        named = {"q": full, "kv_cache": kv, "indices": idx, "scratch": scratch}
+        if lengths is not None:
+            named["lengths"] = lengths
+        for name, tensor in named.items():
+            probes.append((f"{name}[T={num_tokens}]", weakref.ref(tensor)))
+            if self._observer is not None:
+                self._observer(name, tensor)
+        self.kernel.sparse_mla_forward(
+            q,
+            kv,
+            idx,
+            HEAD_SIZE**-0.5,
+            kv_format=caps.kv_format,
+            lengths=lengths,
+            scratch=scratch,
+            return_lse=caps.return_lse,
+            impl=plan.impl,
+        )
+
+    def freeze(self) -> None:
+        """From now on an unprepared variant raises instead of compiling."""
+        self._frozen = True
+        self._frozen_variants = self._compiled_count()
+
+    def _compiled_count(self) -> int | None:
+        tracked = getattr(self.kernel, "compiled_variants", None)
+        return len(tracked()) if callable(tracked) else None
+
+    def is_prepared(self, plan: SparseMLAPlan, num_tokens: int) -> bool:
+        key = launch_key(plan.caps, plan.impl, num_tokens, self.device)
+        return key in self._prepared.get(plan.plan_id, ())
+
+    def scratch(self, plan: SparseMLAPlan) -> torch.Tensor:
+        """Session-owned scratch for ``plan`` (allocated once; freed by ``release``)."""
+        self._check_live(plan)
+        if plan.plan_id not in self._scratch:
+            self._scratch[plan.plan_id] = torch.empty(
+                plan.scratch_bytes, dtype=torch.uint8, device=self.device
+            )
+        return self._scratch[plan.plan_id]
+
+    def bind(
+        self,
+        plan: SparseMLAPlan,
+        *,
+        scratch: torch.Tensor | None,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> SparseMLABinding:
+        """Bind live inputs (validated against the plan's capacities)."""
+        self._check_live(plan)
+        caps = plan.caps
+        binding = SparseMLABinding(plan, scratch, q, kv_cache, indices, lengths, out)
+        tokens = binding.num_tokens
+        if tokens > caps.max_tokens:
+            raise ValueError(f"q: expected at most {caps.max_tokens} tokens, got {tokens}")
+        if isinstance(q, tuple) != caps.split_query:
+            raise TypeError(
+                f"q: expected {'a (q_nope, q_pe) tuple' if caps.split_query else 'a tensor'}, "
+                f"got {type(q).__name__}"
+            )
+        q_full = q[0] if isinstance(q, tuple) else q
+        if q_full.shape[1] != caps.num_heads or q_full.dtype != caps.q_dtype:
+            raise ValueError(
+                f"q: expected {caps.q_dtype} with {caps.num_heads} heads, "
+                f"got {q_full.dtype} with {q_full.shape[1]}"
+            )
+        if indices.dtype != torch.int32 or tuple(indices.shape) != (tokens, caps.topk):
+            raise ValueError(
+                f"indices: expected int32 [{tokens}, {caps.topk}], "
+                f"got {indices.dtype} {list(indices.shape)}"
+            )
+        width, dtype = record_width(caps.kv_format)
+        if kv_cache.dtype != dtype or kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+            raise ValueError(
+                f"kv_cache: expected {dtype} [blocks, rows, {width}] for {caps.kv_format}, "
+                f"got {kv_cache.dtype} {list(kv_cache.shape)}"
+            )
+        if (lengths is not None) != caps.with_lengths:
+            raise ValueError(
+                f"lengths: the plan declares with_lengths={caps.with_lengths}, "
+                f"got {'a tensor' if lengths is not None else 'None'}"
+            )
+        if scratch is not None and scratch.numel() * scratch.element_size() < plan.scratch_bytes:
+            raise ValueError(
+                f"scratch: expected at least {plan.scratch_bytes} bytes, "
+                f"got {scratch.numel() * scratch.element_size()}"
+            )
+        return binding
+
+    def run(
+        self, binding: SparseMLABinding, *, softmax_scale: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launch on the bound inputs; (out [T,H,512], lse [T,H] or None)."""
+        plan = binding.plan
+        self._check_live(plan)
+        device = binding.kv_cache.device
+        key = launch_key(plan.caps, plan.impl, binding.num_tokens, device)
+        if key not in self._prepared.get(plan.plan_id, ()) and (self._frozen or _capturing(device)):
+            raise SparseMLANotPrepared(
+                f"sparse-MLA variant {key} of plan {plan.plan_id} was not prepared "
+                f"(prepared: {sorted(self._prepared.get(plan.plan_id, ()), key=str)}); "
+                "declare its token count in SparseMLACaps and prepare before capture"
+            )
+        scale = HEAD_SIZE**-0.5 if softmax_scale is None else softmax_scale
+        result = self.kernel.sparse_mla_forward(
+            binding.q,
+            binding.kv_cache,
+            binding.indices,
+            scale,
+            kv_format=plan.caps.kv_format,
+            lengths=binding.lengths,
+            out=binding.out,
+            scratch=binding.scratch,
+            return_lse=plan.caps.return_lse,
+            impl=plan.impl,
+        )
+        if self._frozen and self._frozen_variants is not None:
+            compiled = self._compiled_count()
+            if compiled != self._frozen_variants:
+                raise SparseMLANotPrepared(
+                    f"the kernel compiled {compiled - self._frozen_variants} new variant(s) "
+                    f"after freeze() for plan {plan.plan_id} at T={binding.num_tokens}: "
+                    "a live input's strides or alignment differ from the probes'"
+                )
+        return result
+
+    def release(self, plan: SparseMLAPlan) -> None:
+        """Free the plan's session scratch and forget its variants (graphs must be gone)."""
+        self._scratch.pop(plan.plan_id, None)
+        self._prepared.pop(plan.plan_id, None)
+        self._released.add(plan.plan_id)
+
+    def _check_live(self, plan: SparseMLAPlan) -> None:
+        if plan.plan_id in self._released:
+            raise PlanReleased(f"plan {plan.plan_id} was released; prepare it again to reuse")

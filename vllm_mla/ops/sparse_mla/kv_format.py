@@ -1,0 +1,152 @@
+"""Sparse-MLA KV cache records: layout, torch packers and the row reader.
+
+A cache is ``[num_blocks, block_size, record]``; physical row ``r`` lives at
+``cache[r // block_size, r % block_size]``, addressed through strides (dim 0 may be
+wider than a page: other layers' pages interleave). Two record formats:
+
+- ``fp8_ds_mla`` (FlashMLA, REFERENCE.md section 3), uint8, 656 bytes: bytes
+  ``[0, 512)`` e4m3 of ``kv_c / scale[i // 128]``, ``[512, 528)`` four fp32 scales,
+  ``[528, 656)`` 64 bf16 post-RoPE ``k_pe``. ``kv_c[i] = e4m3[i] * scale[i // 128]``.
+- ``bf16``: ``[..., 576]`` bf16, ``kv_c`` (512) then ``k_pe`` (64); 1152 bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_FORMATS = ("fp8_ds_mla", "bf16")
+LATENT = 512  # kv_c, also the value / output width
+ROPE = 64
+HEAD_DIM = LATENT + ROPE  # 576
+SCALE_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_SCALES_OFFSET = LATENT  # 512
+FP8_ROPE_OFFSET = LATENT + 4 * (LATENT // SCALE_GROUP)  # 528
+_RECORD = {"fp8_ds_mla": (torch.uint8, 656), "bf16": (torch.bfloat16, HEAD_DIM)}
+
+
+class SparseMLAError(ValueError):
+    """A sparse-MLA argument does not match the contract (names it: expected vs actual)."""
+
+
+class SparseMLATypeError(SparseMLAError, TypeError):
+    """A sparse-MLA argument has the wrong dtype or type."""
+
+
+class SparseMLANotPrepared(RuntimeError):
+    """A sparse-MLA kernel variant would compile inside CUDA-graph capture."""
+
+
+def check_format(kv_format: str) -> None:
+    """Raise SparseMLAError unless ``kv_format`` is one of KV_FORMATS."""
+    if kv_format not in KV_FORMATS:
+        raise SparseMLAError(f"kv_format: expected one of {KV_FORMATS}, got {kv_format!r}")
+
+
+def record_dtype(kv_format: str) -> torch.dtype:
+    """Element dtype of a cache in ``kv_format`` (uint8 or bf16)."""
+    check_format(kv_format)
+    return _RECORD[kv_format][0]
+
+
+def record_elems(kv_format: str) -> int:
+    """Last-dim size of a cache in ``kv_format`` (656 or 576)."""
+    check_format(kv_format)
+    return _RECORD[kv_format][1]
+
+
+def record_bytes(kv_format: str) -> int:
+    """Bytes per token: 656 for fp8_ds_mla, 1152 for bf16."""
+    check_format(kv_format)
+    dtype, n = _RECORD[kv_format]
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def check_cache(kv_cache: object, kv_format: str) -> None:
+    """Raise a typed error unless ``kv_cache`` is a 3-D cache in ``kv_format``."""
+    check_format(kv_format)
+    dtype, n = _RECORD[kv_format]
+    if not isinstance(kv_cache, torch.Tensor):
+        raise SparseMLATypeError(f"kv_cache: expected a Tensor, got {type(kv_cache)}")
+    if kv_cache.dtype != dtype:
+        raise SparseMLATypeError(
+            f"kv_cache: format {kv_format} expects dtype {dtype}, got {kv_cache.dtype}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != n:
+        raise SparseMLAError(
+            f"kv_cache: format {kv_format} expects [num_blocks, block_size, {n}], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.stride(-1) != 1:
+        raise SparseMLAError(
+            f"kv_cache: last dim must be contiguous (stride 1), got strides {kv_cache.stride()}"
+        )
+
+
+def _check_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+    for name, t, width in (("kv_c", kv_c, LATENT), ("k_pe", k_pe, ROPE)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise SparseMLATypeError(f"{name}: expected a floating-point Tensor, got {t!r:.80}")
+        if t.dim() != 2 or t.shape[1] != width:
+            raise SparseMLAError(f"{name}: expected [N, {width}], got shape {tuple(t.shape)}")
+    if kv_c.shape[0] != k_pe.shape[0]:
+        raise SparseMLAError(
+            f"k_pe: expected [N={kv_c.shape[0]}, {ROPE}] (kv_c's N), got {tuple(k_pe.shape)}"
+        )
+
+
+def pack_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """Pack rows into 656-byte fp8_ds_mla records ``[N, 656]`` uint8.
+
+    Scale per 128 values = amax / 448 (1.0 for an all-zero group, so zeros stay zero);
+    k_pe is stored as bf16.
+    """
+    _check_rows(kv_c, k_pe)
+    n = kv_c.shape[0]
+    groups = kv_c.float().reshape(n, LATENT // SCALE_GROUP, SCALE_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    e4m3 = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = torch.empty(n, record_bytes("fp8_ds_mla"), dtype=torch.uint8, device=kv_c.device)
+    out[:, :FP8_SCALES_OFFSET] = e4m3.reshape(n, LATENT).view(torch.uint8)
+    out[:, FP8_SCALES_OFFSET:FP8_ROPE_OFFSET] = scale.contiguous().view(torch.uint8)
+    out[:, FP8_ROPE_OFFSET:] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out
+
+
+def pack_bf16(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """Pack rows into bf16 records ``[N, 576]`` (kv_c then k_pe, rounded to bf16)."""
+    _check_rows(kv_c, k_pe)
+    return torch.cat([kv_c, k_pe], dim=-1).to(torch.bfloat16)
+
+
+def pack_rows(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """Pack rows into records of ``kv_format``."""
+    check_format(kv_format)
+    return pack_fp8_ds_mla(kv_c, k_pe) if kv_format == "fp8_ds_mla" else pack_bf16(kv_c, k_pe)
+
+
+def unpack_records(records: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode records ``[..., record]`` into ``(kv_c [..., 512], k_pe [..., 64])`` fp32."""
+    if kv_format == "bf16":
+        return records[..., :LATENT].float(), records[..., LATENT:].float()
+    check_format(kv_format)
+    lead = records.shape[:-1]
+    rec = records.contiguous()
+    e4m3 = rec[..., :FP8_SCALES_OFFSET].view(torch.float8_e4m3fn).float()
+    scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].view(torch.float32)
+    kv_c = e4m3.reshape(*lead, -1, SCALE_GROUP) * scale[..., None]
+    k_pe = rec[..., FP8_ROPE_OFFSET:].view(torch.bfloat16).float()
+    return kv_c.reshape(*lead, LATENT), k_pe
+
+
+def unpack_rows(
+    kv_cache: torch.Tensor, rows: torch.Tensor, kv_format: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read physical rows (any shape, all in range) -> ``(kv_c [..., 512], k_pe [..., 64])``
+    fp32, addressing the cache through its strides."""
+    check_cache(kv_cache, kv_format)
+    block_size = kv_cache.shape[1]
+    rows = rows.long()
+    records = kv_cache[rows // block_size, rows % block_size]
+    return unpack_records(records, kv_format)

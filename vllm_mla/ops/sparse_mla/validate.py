@@ -1,0 +1,108 @@
+"""Argument checks shared by the reference and the dispatcher (one contract, one place)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_mla.ops.sparse_mla.kv_format import (
+    LATENT,
+    ROPE,
+    SparseMLAError,
+    SparseMLATypeError,
+    check_cache,
+)
+
+Q_DTYPES = (torch.bfloat16, torch.float32)
+Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Args:
+    """A validated call: sizes and q split into (nope, pe) views (never copied)."""
+
+    num_tokens: int
+    num_heads: int
+    topk: int
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q_nope.dtype
+
+
+def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple) -> torch.Tensor:
+    """Check type, dtype, rank and shape (None = any size) of one argument."""
+    if not isinstance(t, torch.Tensor):
+        raise SparseMLATypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = dtypes[0] if len(dtypes) == 1 else dtypes
+        raise SparseMLATypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    ok = t.dim() == len(shape)
+    ok = ok and all(s is None or s == n for s, n in zip(shape, t.shape, strict=True))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise SparseMLAError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    return t
+
+
+def _contiguous_last(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise SparseMLAError(
+            f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}"
+        )
+
+
+def split_q(q: Query) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, H, 576]`` or ``(q_nope [T, H, 512], q_pe [T, H, 64])`` -> two views."""
+    if isinstance(q, tuple | list):
+        if len(q) != 2:
+            raise SparseMLAError(f"q: expected a (q_nope, q_pe) pair, got {len(q)} items")
+        q_nope = _tensor("q_nope", q[0], Q_DTYPES, (None, None, LATENT))
+        t, h = q_nope.shape[:2]
+        q_pe = _tensor("q_pe", q[1], (q_nope.dtype,), (t, h, ROPE))
+    else:
+        q = _tensor("q", q, Q_DTYPES, (None, None, LATENT + ROPE))
+        q_nope, q_pe = q[..., :LATENT], q[..., LATENT:]
+    _contiguous_last("q_nope", q_nope)
+    _contiguous_last("q_pe", q_pe)
+    if q_nope.shape[1] < 1:
+        raise SparseMLAError(f"q: expected H >= 1 heads, got shape {tuple(q_nope.shape)}")
+    return q_nope, q_pe
+
+
+def validate(
+    q: Query,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    kv_format: str,
+    lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> Args:
+    """Check every argument against the contract; raise a typed, named error otherwise."""
+    q_nope, q_pe = split_q(q)
+    t, h = q_nope.shape[:2]
+    check_cache(kv_cache, kv_format)
+    if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+        raise SparseMLAError(f"kv_cache: expected a non-empty cache, got {tuple(kv_cache.shape)}")
+    _tensor("indices", indices, (torch.int32,), (t, None))
+    if indices.shape[1] < 1:
+        raise SparseMLAError(f"indices: expected [T={t}, K >= 1], got {tuple(indices.shape)}")
+    _contiguous_last("indices", indices)
+    named = [("q_pe", q_pe), ("kv_cache", kv_cache), ("indices", indices)]
+    if lengths is not None:
+        named.append(("lengths", _tensor("lengths", lengths, (torch.int32,), (t,))))
+    if out is not None:
+        named.append(("out", _tensor("out", out, (q_nope.dtype,), (t, h, LATENT))))
+        _contiguous_last("out", out)
+    if lse is not None:
+        named.append(("lse", _tensor("lse", lse, (torch.float32,), (t, h))))
+        _contiguous_last("lse", lse)
+    for name, x in named:
+        if x.device != q_nope.device:
+            raise SparseMLAError(f"{name}: expected device {q_nope.device} (q's), got {x.device}")
+    return Args(t, h, indices.shape[1], q_nope, q_pe)

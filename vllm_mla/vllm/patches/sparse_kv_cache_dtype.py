@@ -1,0 +1,33 @@
+"""Patch ``_canonicalize_sparse_mla_kv_cache_dtype`` so B12X_MLA_SPARSE gets fp8_ds_mla.
+
+Target: ``vllm.model_executor.layers.attention.mla_attention
+._canonicalize_sparse_mla_kv_cache_dtype(attn_backend, kv_cache_dtype)`` (vLLM 0.33).
+Why: upstream maps ``auto``/``fp8`` to ``fp8_ds_mla`` only for its own sparse
+backends (FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE_SM120), matched by name; for any
+other backend ``fp8`` stays plain fp8, a layout the sparse kernels do not read, and
+``auto`` stays bf16.
+How: for a backend named ``B12X_MLA_SPARSE`` (also when registered as CUSTOM: the
+name comes from the class), ``auto``, ``fp8`` and ``fp8_e4m3`` become ``fp8_ds_mla``,
+as upstream does for FLASHINFER_MLA_SPARSE_SM120; every other backend and dtype goes
+to the original untouched. ``bfloat16`` keeps the bf16 cache.
+Removal: when upstream canonicalises by a backend attribute instead of by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+BACKEND = "B12X_MLA_SPARSE"
+TO_FP8_DS_MLA = ("auto", "fp8", "fp8_e4m3")
+
+
+def make_canonicalize(original: Callable) -> Callable:
+    """The replacement for ``_canonicalize_sparse_mla_kv_cache_dtype``."""
+
+    def _canonicalize_sparse_mla_kv_cache_dtype(attn_backend, kv_cache_dtype):
+        if attn_backend.get_name() == BACKEND and kv_cache_dtype in TO_FP8_DS_MLA:
+            return "fp8_ds_mla"
+        return original(attn_backend, kv_cache_dtype)
+
+    _canonicalize_sparse_mla_kv_cache_dtype.__doc__ = original.__doc__
+    return _canonicalize_sparse_mla_kv_cache_dtype

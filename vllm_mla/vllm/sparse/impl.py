@@ -1,0 +1,276 @@
+"""``B12XMLASparseImpl``: vLLM's sparse-MLA impl contract, none of its generic owners.
+
+What it does (vLLM 0.33, REFERENCE.md section 9):
+
+- MQA-only (``supports_dense_mha_prefill=False``): the layer sets no prefill backend
+  and every token reaches ``forward_mqa``; the lifecycle then releases kv_b_proj's
+  sources (capability ``B12X_MLA_SPARSE`` in ``vllm_mla.backends.capabilities``).
+- Top-k: logical positions from the indexer-owned buffer, resolved every call
+  (``TopkSelection``); converted to physical rows by vLLM's Triton kernel on GPU and
+  by ``logical_to_physical`` elsewhere.
+- Owns none of ``SparseMLACommonImpl``'s allocations: no index-group conversion
+  buffers, side stream or events (it never calls ``register_layer``), no shadow
+  selection buffer.
+- Preparation: in ``process_weights_after_loading`` (before vLLM's profiling
+  capture), one plan per distinct capacity set is prepared on probes that die with
+  it; the session freezes once vLLM locks its workspace (after capture).
+- Scratch: from vLLM's workspace manager (shared across layers), sized from the
+  declared capacities; reserved during the profile run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+from vllm.v1.attention.backend import AttentionType, MLAAttentionImpl
+
+from vllm_mla.backends.b12x_sparse import (
+    CacheWriterFormat,
+    LayerKVBinding,
+    PreparationSession,
+    SparseMLACaps,
+    SparseMLAPlan,
+    TopkSelection,
+    logical_to_physical,
+)
+from vllm_mla.vllm.sparse.backend import NAME
+
+logger = logging.getLogger("vllm_mla")
+
+KV_FORMAT_OF = {"fp8_ds_mla": "fp8_ds_mla", "auto": "bf16", "bfloat16": "bf16"}
+_sessions: dict[torch.device, PreparationSession] = {}
+_plans: dict[tuple[torch.device, SparseMLACaps], SparseMLAPlan] = {}
+
+
+def session_for(device: torch.device) -> PreparationSession:
+    """The process-wide preparation session of ``device`` (one per device)."""
+    if device not in _sessions:
+        _sessions[device] = PreparationSession(device)
+    return _sessions[device]
+
+
+def plan_for(device: torch.device, caps: SparseMLACaps) -> SparseMLAPlan:
+    """One plan per (device, capacities): layers with equal capacities share it."""
+    key = (device, caps)
+    if key not in _plans:
+        _plans[key] = session_for(device).plan(caps)
+    return _plans[key]
+
+
+def reset_sessions() -> None:
+    """Forget every session and plan (tests; a process that unloads the model)."""
+    for (device, _), plan in list(_plans.items()):
+        _sessions[device].release(plan)
+    _plans.clear()
+    _sessions.clear()
+
+
+def kv_format_of(kv_cache_dtype: str) -> str:
+    """The kernel's cache format for a vLLM cache dtype, or a typed error saying why not."""
+    if kv_cache_dtype not in KV_FORMAT_OF:
+        raise NotImplementedError(
+            f"{NAME}: kv_cache_dtype {kv_cache_dtype!r} is not served (expected one of "
+            f"{sorted(KV_FORMAT_OF)}); fp8/fp8_e4m3 become fp8_ds_mla only with the "
+            "vllm-mla 'sparse' feature on, else pass --kv-cache-dtype fp8_ds_mla"
+        )
+    return KV_FORMAT_OF[kv_cache_dtype]
+
+
+class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
+    """Sparse MLA through ``vllm_mla.ops.sparse_mla`` with explicit owners."""
+
+    is_sparse: ClassVar[bool] = True
+    supports_dense_mha_prefill: ClassVar[bool] = False
+    supports_quant_query_input: bool = False
+    supports_pcp: bool = False
+    # upstream reads these off sparse impls
+    masked_mha_available: bool = False
+    index_group = None
+    index_group_index = 0
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        *,
+        kv_lora_rank: int = 512,
+        qk_rope_head_dim: int = 64,
+        kv_b_proj: Any = None,
+        indexer: object | None = None,
+        topk_indices_buffer: torch.Tensor | None = None,
+        **mla_args: Any,
+    ) -> None:
+        if alibi_slopes or sliding_window or logits_soft_cap:
+            raise NotImplementedError(f"{NAME}: no alibi, sliding window or soft cap")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"{NAME}: decoder self-attention only, got {attn_type}")
+        if (head_size, kv_lora_rank, qk_rope_head_dim) != (576, 512, 64):
+            raise ValueError(
+                f"{NAME}: expected head_size 576 = kv_lora_rank 512 + rope 64, got "
+                f"{head_size} = {kv_lora_rank} + {qk_rope_head_dim}"
+            )
+        # index_group_builder (and any other generic sparse argument) is accepted and
+        # deliberately unused: registering with it allocates group conversion buffers,
+        # a side stream and two events per indexer layer that this impl never reads.
+        mla_args.pop("index_group_builder", None)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_nope_head_dim = mla_args.get("qk_nope_head_dim")
+        self.v_head_dim = mla_args.get("v_head_dim")
+        self.kv_b_proj = kv_b_proj  # the module; the lifecycle releases its sources
+        self.kv_format = kv_format_of(kv_cache_dtype)
+        self.init_topk_indices_buffer(indexer, topk_indices_buffer)
+        self.caps = self._declare_caps(num_heads, topk_indices_buffer, indexer)
+        self.kv_binding = LayerKVBinding(
+            "b12x_sparse", CacheWriterFormat(self.kv_format, self.caps.block_size)
+        )
+        self.plan: SparseMLAPlan | None = None
+        self.session: PreparationSession | None = None
+
+    # -- selection: only the indexer reference when the indexer owns the buffer ------
+    def init_topk_indices_buffer(
+        self, indexer: object | None, topk_indices_buffer: torch.Tensor | None
+    ) -> None:
+        self._selection = TopkSelection(indexer, topk_indices_buffer)
+
+    @property
+    def topk_indices_buffer(self) -> torch.Tensor | None:
+        return self._selection.buffer()
+
+    @topk_indices_buffer.setter
+    def topk_indices_buffer(self, buffer: torch.Tensor | None) -> None:
+        self._selection.set_buffer(buffer)
+
+    def record_logical_topk_ready(self) -> None:
+        """Called by the model after its indexer wrote the buffer; no group to notify."""
+
+    # -- capacities, preparation, scratch ---------------------------------------------
+    def _declare_caps(
+        self, num_heads: int, buffer: torch.Tensor | None, indexer: object | None
+    ) -> SparseMLACaps:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        topk = buffer.shape[-1] if buffer is not None else None
+        if topk is None and indexer is not None:
+            topk = getattr(getattr(indexer, "topk_indices_buffer", None), "shape", [None])[-1]
+        max_tokens, block_size, buckets = 8192, 64, ()
+        if config is not None:
+            max_tokens = config.scheduler_config.max_num_batched_tokens
+            block_size = config.cache_config.block_size or 64
+            if topk is None and config.model_config is not None:
+                topk = getattr(config.model_config.hf_text_config, "index_topk", None)
+            sizes = config.compilation_config.cudagraph_capture_sizes or ()
+            buckets = tuple(s for s in sizes if s <= max_tokens)
+        if topk is None:
+            raise ValueError(f"{NAME}: top-k width unknown (no buffer, indexer or index_topk)")
+        return SparseMLACaps(
+            max_tokens=max_tokens,
+            num_heads=num_heads,
+            topk=int(topk),
+            kv_format=self.kv_format,
+            block_size=block_size,
+            token_buckets=buckets,
+        )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Plan and prepare before vLLM's profiling capture (nothing compiles in it)."""
+        session = self._bind_plan(_device_of(self.kv_b_proj))
+        if not session.is_prepared(self.plan, self.caps.max_tokens) and not session.frozen:
+            session.prepare(self.plan)
+
+    def _bind_plan(self, device: torch.device) -> PreparationSession:
+        self.session = session_for(device)
+        self.plan = plan_for(device, self.caps)
+        return self.session
+
+    def reserve_workspace(self) -> None:
+        """Profile run: grow vLLM's shared workspace to this plan's scratch."""
+        self._scratch()
+
+    def _scratch(self) -> torch.Tensor | None:
+        from vllm.v1.worker.workspace import (
+            current_workspace_manager,
+            is_workspace_manager_initialized,
+        )
+
+        if self.plan is None or self.session is None or not is_workspace_manager_initialized():
+            return None
+        manager = current_workspace_manager()
+        if manager.is_locked() and not self.session.frozen:
+            self.session.freeze()  # vLLM locks its workspace after capture: compiling is over
+        (scratch,) = manager.get_simultaneous(((self.plan.scratch_bytes,), torch.uint8))
+        return scratch
+
+    # -- forward ----------------------------------------------------------------------
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: Any,
+        layer: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sparse attention of all tokens: (out [T, H, 512], None)."""
+        if not isinstance(q, tuple):  # fused [T, H, 576]: split as views, no copy
+            q = (q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :])
+        num_tokens = q[0].shape[0]
+        self.kv_binding.sync(kv_c_and_k_pe_cache)
+        logical = self._selection.resolve(num_tokens)
+        physical = convert_to_physical(
+            attn_metadata.req_id_per_token[:num_tokens],
+            attn_metadata.block_table,
+            logical,
+            attn_metadata.block_size,
+        )
+        session = self.session
+        if session is None or self.plan is None:  # post-load did not run (impl alone)
+            session = self._bind_plan(kv_c_and_k_pe_cache.device)
+        binding = session.bind(
+            self.plan,  # type: ignore[arg-type]
+            scratch=self._scratch(),
+            q=q,
+            kv_cache=kv_c_and_k_pe_cache,
+            indices=physical,
+        )
+        return session.run(binding, softmax_scale=self.scale)
+
+
+def convert_to_physical(
+    req_id: torch.Tensor, block_table: torch.Tensor, logical: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Logical top-k -> physical rows ``block * block_size + offset`` (-1 kept)."""
+    if logical.is_cuda:
+        from vllm.v1.attention.backends.mla.sparse_utils import (
+            triton_convert_req_index_to_global_index,
+        )
+
+        return triton_convert_req_index_to_global_index(
+            req_id,
+            block_table,
+            logical,
+            BLOCK_SIZE=block_size,
+            NUM_TOPK_TOKENS=logical.shape[1],
+        )
+    return logical_to_physical(req_id, block_table, logical, block_size)
+
+
+def _device_of(module: Any) -> torch.device:
+    for param in getattr(module, "parameters", lambda: ())():
+        return param.device
+    return torch.device("cpu")

@@ -1,0 +1,91 @@
+"""Lean metadata builder for ``B12X_MLA_SPARSE``.
+
+Subclasses ``AttentionMetadataBuilder`` directly (not ``SparseMLACommonMetadataBuilder``)
+so that it allocates no chunked-prefill workspace (~72 MiB) and no top-k mask
+workspace: every token goes through ``forward_mqa``, so ``prefill`` is always None.
+It owns one int32 buffer of ``max_num_batched_tokens`` (token -> request index) and
+calls ``_init_reorder_batch_threshold`` so vLLM reorders batches decode-first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonMetadata
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+
+@dataclass(kw_only=True)
+class B12XMLASparseMetadata(SparseMLACommonMetadata):
+    """``SparseMLACommonMetadata`` with ``prefill`` always None (MQA-only)."""
+
+
+class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadata]):
+    """Decode-first, MQA-only metadata; no generic prefill or mask workspace."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        hf = vllm_config.model_config.hf_text_config
+        self.topk_tokens: int = int(hf.index_topk)
+        self.req_id_per_token_buffer = torch.empty(
+            (vllm_config.scheduler_config.max_num_batched_tokens,),
+            dtype=torch.int32,
+            device=device,
+        )
+        # Decode-first order: short queries (and spec-decode drafts) form the front of
+        # the batch; without this call vLLM does not reorder for this builder.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> B12XMLASparseMetadata:
+        cam = common_attn_metadata
+        req_id_per_token = cam.token_to_req_indices(self.req_id_per_token_buffer)
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cam, decode_threshold=self.reorder_batch_threshold or 1
+        )
+        return B12XMLASparseMetadata(
+            num_reqs=cam.num_reqs,
+            max_query_len=cam.max_query_len,
+            max_seq_len=cam.max_seq_len,
+            num_actual_tokens=cam.num_actual_tokens,
+            query_start_loc=cam.query_start_loc,
+            slot_mapping=cam.slot_mapping,
+            block_table=cam.block_table_tensor,
+            req_id_per_token=req_id_per_token,
+            seq_lens=cam.seq_lens,
+            block_size=self.kv_cache_spec.block_size,
+            topk_tokens=self.topk_tokens,
+            num_decodes=num_decodes,
+            num_prefills=num_prefills,
+            num_decode_tokens=num_decode_tokens,
+            decode_max_query_len=_decode_max_query_len(cam, num_decodes, num_prefills),
+            prefill=None,
+        )
+
+
+def _decode_max_query_len(cam: CommonAttentionMetadata, num_decodes: int, prefills: int) -> int:
+    if num_decodes == 0:
+        return 0
+    if prefills == 0:
+        return cam.max_query_len
+    return int(torch.diff(cam.query_start_loc_cpu[: num_decodes + 1]).max().item())
