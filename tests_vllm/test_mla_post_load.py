@@ -7,6 +7,7 @@ import torch
 from conftest import mla_layer
 from vllm.model_executor.layers.attention import mla_attention
 
+from vllm_mla.vllm import telemetry
 from vllm_mla.weights import ReleaseRefusedError
 
 STOCK = mla_attention.MLAAttention.process_weights_after_loading
@@ -42,14 +43,16 @@ def test_pair_is_bit_identical_to_upstream(registered, fmt, backend):
         assert all(t.is_contiguous() for t in pair(layer))
 
 
-def test_bf16_kept_goes_to_upstream_untouched(registered):
+def test_bf16_kept_is_aliased_as_upstream_and_recorded(registered):
+    telemetry.reset()
     layer = mla_layer("bf16")
     with torch.no_grad():
         layer.process_weights_after_loading(torch.bfloat16)
-    # upstream's pair aliases the BF16 source: no copy at all
+    # upstream's pair aliases the BF16 source: no copy at all, and so does ours
     assert layer.W_UK_T.untyped_storage().data_ptr() == (
         layer.kv_b_proj.weight.untyped_storage().data_ptr()
     )
+    assert telemetry.snapshot()["post_load"] == [(layer.layer_name, "aliased")]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
@@ -99,8 +102,10 @@ def test_own_bmm_paths_are_delegated_untouched(flag):
     patched = make_process_weights_after_loading(lambda layer, dtype: calls.append((layer, dtype)))
     layer = mla_layer("fp8-block")
     setattr(layer, flag, True)
+    telemetry.reset()
     patched(layer, torch.bfloat16)
     assert calls == [(layer, torch.bfloat16)] and not hasattr(layer, "W_UK_T")
+    assert telemetry.snapshot()["post_load"] == [(layer.layer_name, f"delegated: {flag}")]
     generic = mla_layer("fp8-block")
     with torch.no_grad():
         patched(generic, torch.bfloat16)

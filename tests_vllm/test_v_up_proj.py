@@ -9,6 +9,7 @@ from vllm.model_executor.layers.attention import mla_attention
 
 from vllm_mla.backends import capabilities
 from vllm_mla.backends.capabilities import BackendCapabilities
+from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.patches import mla_v_up_proj
 
 STOCK_V_UP = mla_attention.MLAAttention._v_up_proj
@@ -69,6 +70,27 @@ def test_needed_by_capability_runs_the_safe_op(registered, safe_backend, calls):
     x, out = run(layer)
     assert calls == [(N, 7, L)]
     assert torch.equal(out, stock(layer, x))
+
+
+@pytest.mark.parametrize(
+    ("mode", "path"),
+    [("always", "v_up_proj:safe_bmm"), ("never", "v_up_proj:original"), ("auto", None)],
+)
+def test_env_override_and_recorded_path(registered, monkeypatch, calls, mode, path):
+    monkeypatch.setenv("VLLM_MLA_SAFE_BMM", mode)
+    telemetry.reset()
+    layer = layer_with_pair()  # no capability, not a GPU: auto keeps the original
+    x, out = run(layer)
+    path = path or "v_up_proj:original"
+    assert telemetry.snapshot()["query"] == {path: 1}
+    assert calls == ([(N, 7, L)] if mode == "always" else [])
+    assert torch.equal(out, stock(layer, x))
+
+
+def test_env_override_rejects_unknown_values(registered, monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_SAFE_BMM", "sometimes")
+    with pytest.raises(ValueError, match="VLLM_MLA_SAFE_BMM must be one of"):
+        run(layer_with_pair())
 
 
 def test_bf16_views_take_the_copy_workaround(registered, safe_backend, calls):

@@ -24,12 +24,20 @@ from vllm_mla.qualify import (
     plain_progress,
     run_qualify,
 )
+from vllm_mla.tinymodel import KV_B_FORMATS, MakeModelError, TinyModelSpec, make_model
 from vllm_mla.weights import LifecycleError, SourceError
 from vllm_mla.weights.checkpoint import CheckpointError
 from vllm_mla.weights.layer import WEIGHT_FORMATS
 
 MIB = 1 << 20
-USAGE_ERRORS = (GeometryError, QualifyError, CheckpointError, SourceError, LifecycleError)
+USAGE_ERRORS = (
+    GeometryError,
+    QualifyError,
+    CheckpointError,
+    SourceError,
+    LifecycleError,
+    MakeModelError,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,6 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     q = sub.add_parser("qualify", help="baseline vs lean absorbed weights, per TP rank")
     q.add_argument("--preset", default="glm-5", help=f"one of {', '.join(PRESETS)}")
+    q.add_argument(
+        "--model", help="a model folder: geometry from config.json, kv_b_proj from its weights"
+    )
+    q.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="activation dtype served (default bfloat16)",
+    )
     q.add_argument("--tp", type=int, default=4, help="tensor-parallel size (default 4)")
     q.add_argument("--rank", type=int, default=0, help="TP rank to report (default 0)")
     q.add_argument("--weights", choices=WEIGHT_FORMATS, help="source format (default mxfp8)")
@@ -53,6 +70,20 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     q.add_argument("--max-scratch-mib", type=float, default=8.0, help="dequant scratch bound")
     q.add_argument("--json", action="store_true", help="print the schema-1 JSON report only")
+    m = sub.add_parser("make-model", help="write a tiny DeepSeek-V2-style MLA model (no downloads)")
+    m.add_argument("path", help="folder to write (created; files in it are overwritten)")
+    m.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    m.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    m.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    m.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
+    m.add_argument("--seed", type=int, default=0, help="weight and tokenizer seed (default 0)")
+    m.add_argument("--init-std", type=float, default=0.15, help="weight std (default 0.15)")
+    m.add_argument("--kv-b-format", default="fp32", choices=KV_B_FORMATS, help="kv_b_proj storage")
+    m.add_argument(
+        "--kv-b-exact",
+        action="store_true",
+        help="fp32 kv_b_proj values that block FP8 represents exactly",
+    )
     return parser
 
 
@@ -119,6 +150,8 @@ def _render(report: dict, console: Console) -> None:
 def _qualify(args: argparse.Namespace) -> int:
     cfg = QualifyConfig(
         preset=args.preset,
+        model=args.model,
+        dtype=args.dtype,
         tp=args.tp,
         rank=args.rank,
         weights=args.weights,
@@ -141,6 +174,23 @@ def _qualify(args: argparse.Namespace) -> int:
     return 1 if failed_checks(report) else 0
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    spec = TinyModelSpec(
+        layers=args.layers,
+        heads=args.heads,
+        hidden=args.hidden,
+        vocab=args.vocab,
+        seed=args.seed,
+        init_std=args.init_std,
+        kv_b_format=args.kv_b_format,
+        kv_b_exact=args.kv_b_exact,
+    )
+    folder = make_model(args.path, spec)
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vllm-mla`` console script; returns the exit code."""
     try:
@@ -148,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        return _qualify(args)
+        return _make_model(args) if args.command == "make-model" else _qualify(args)
     except USAGE_ERRORS as exc:
         print(f"vllm-mla: error: {exc}", file=sys.stderr)
         return 2

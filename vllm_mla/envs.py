@@ -2,9 +2,16 @@
 
 ``VLLM_MLA`` (bool, default on): ``0`` makes the vLLM plugin apply nothing.
 
-``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query``): the plugin features to
-apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load) and ``query`` (the
-safe BMM in MLA's V up-projection where the GPU or backend needs it).
+``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query,sparse``): the plugin
+features to apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load),
+``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs it) and
+``sparse`` (registers the B12X_MLA_SPARSE attention backend and makes auto/fp8 KV
+caches resolve to fp8_ds_mla for it).
+
+``VLLM_MLA_SAFE_BMM`` (``auto`` | ``always`` | ``never``, default ``auto``): whether MLA's
+V up-projection runs through the safe BMM: ``auto`` on SM120/121 or when the backend's
+capability asks, ``always`` on any device (e.g. a GPU with the same cuBLAS over-read
+that is not gated yet), ``never`` leaves upstream's bmm everywhere.
 
 ``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
 CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
@@ -25,7 +32,7 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in TRUE
 
 
-FEATURES = ("lifecycle", "query")
+FEATURES = ("lifecycle", "query", "sparse")
 
 
 def plugin_enabled() -> bool:
@@ -42,6 +49,17 @@ def plugin_features() -> tuple[frozenset[str], tuple[str, ...]]:
     return frozenset(n for n in names if n in FEATURES), tuple(
         n for n in names if n not in FEATURES
     )
+
+
+SAFE_BMM_MODES = ("auto", "always", "never")
+
+
+def safe_bmm_mode() -> str:
+    """``VLLM_MLA_SAFE_BMM``; any other value is a ValueError naming the variable."""
+    mode = os.environ.get("VLLM_MLA_SAFE_BMM", "auto").strip().lower() or "auto"
+    if mode not in SAFE_BMM_MODES:
+        raise ValueError(f"VLLM_MLA_SAFE_BMM must be one of {SAFE_BMM_MODES}, got {mode!r}")
+    return mode
 
 
 def triton_interpret() -> bool:

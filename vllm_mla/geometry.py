@@ -7,8 +7,10 @@ pair is ``W_UK_T [N, P, L]`` and ``W_UV [N, L, V]``.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 MX_BLOCK = 32  # L must split into whole MXFP8 scale blocks
 
@@ -113,6 +115,31 @@ PRESETS: dict[str, MLAGeometry] = {
     "kimi-k2": MLAGeometry(64, 128, 64, 512, 128, 61, name="kimi-k2"),
     "deepseek-v2-lite": MLAGeometry(16, 128, 64, 512, 128, 27, name="deepseek-v2-lite"),
 }
+
+
+HF_FIELDS = {
+    "num_heads": "num_attention_heads",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "kv_lora_rank": "kv_lora_rank",
+    "v_head_dim": "v_head_dim",
+    "num_layers": "num_hidden_layers",
+}
+
+
+def from_hf_config(path: str | Path) -> MLAGeometry:
+    """The geometry in a model folder's (or file's) transformers ``config.json``."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise GeometryError(f"{file}: not a readable config.json ({exc})") from None
+    missing = [key for key in HF_FIELDS.values() if key not in config]
+    if missing:
+        raise GeometryError(f"{file}: not an MLA config, missing {', '.join(missing)}")
+    name = path.name if path.is_dir() else path.parent.name
+    return MLAGeometry(**{f: config[key] for f, key in HF_FIELDS.items()}, name=name)
 
 
 def preset(name: str) -> MLAGeometry:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from vllm_mla.geometry import RankGeometry, preset
+from vllm_mla.geometry import MLAGeometry, RankGeometry, from_hf_config, preset
 from vllm_mla.memory import AllocationTrace, Ledger
 from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
 from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES, PAIR
@@ -22,9 +22,12 @@ from vllm_mla.weights.checkpoint import checkpoint_format, load_kv_b_proj
 from vllm_mla.weights.layer import MLALayer, build_layer, source_tensors, synthetic_weight
 
 SCHEMA = 1
-ACT_DTYPE = torch.bfloat16
+ACT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MHA_PREFILL_NOTE = "source kept: a dense MHA prefill backend calls kv_b_proj (--mha-prefill)"
 NO_RELEASE_NOTE = "source kept: release disabled (--no-release)"
+ALIAS_NOTE = (
+    "pair aliases the dense source, as upstream's does: nothing to reclaim while it is kept"
+)
 
 Progress = Callable[[str, int], Iterator[int]]
 
@@ -38,6 +41,8 @@ class QualifyConfig:
     """Everything one qualify run depends on."""
 
     preset: str = "glm-5"
+    model: str | None = None  # a model folder: geometry from its config.json, weights from it
+    dtype: str = "bfloat16"  # the activation dtype vLLM serves in
     tp: int = 4
     rank: int = 0
     weights: str | None = None  # None: mxfp8, or the checkpoint's own format
@@ -125,7 +130,7 @@ def _pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
     return tuple(getattr(layer, n) for n in PAIR)
 
 
-def _reload_check(lean: list[MLALayer], geo, fmt, cfg, lifecycle, device, progress) -> dict:
+def _reload_check(lean: list[MLALayer], geo, fmt, cfg, lifecycle, act, device, progress) -> dict:
     """Give every lean layer new weights the way a reload does; pointers must not move."""
     stable = correct = True
     for i in progress("reload", len(lean)):
@@ -136,21 +141,31 @@ def _reload_check(lean: list[MLALayer], geo, fmt, cfg, lifecycle, device, progre
             layer.kv_b_proj._parameters[name] = torch.nn.Parameter(
                 tensor.to(device), requires_grad=False
             )
-        post_load(layer, ACT_DTYPE, lifecycle)
+        post_load(layer, act, lifecycle)
         stable &= before == [t.data_ptr() for t in _pair(layer)]
         reference = build_layer(geo, new, device)
-        baseline_post_load(reference, ACT_DTYPE)
+        baseline_post_load(reference, act)
         correct &= all(
             torch.equal(a, b) for a, b in zip(_pair(layer), _pair(reference), strict=True)
         )
     return {"stable": stable, "correct": correct}
 
 
+def model_geometry(cfg: QualifyConfig) -> MLAGeometry:
+    """The preset, or the geometry of ``cfg.model``'s config.json."""
+    return from_hf_config(cfg.model) if cfg.model else preset(cfg.preset)
+
+
 def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict:
     """Run baseline and lean side by side; returns the ``--json`` report (schema 1)."""
     started = time.perf_counter()
-    geo = preset(cfg.preset).shard(cfg.tp, cfg.rank)
+    geo = model_geometry(cfg).shard(cfg.tp, cfg.rank)
     device = resolve_device(cfg.device)
+    if cfg.dtype not in ACT_DTYPES:
+        raise QualifyError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {cfg.dtype!r}")
+    act = ACT_DTYPES[cfg.dtype]
+    if cfg.model and not cfg.checkpoint:
+        cfg = replace(cfg, checkpoint=cfg.model)
     if cfg.layers is not None and cfg.layers <= 0:
         raise QualifyError(f"--layers must be positive, got {cfg.layers}")
     fmt, per_layer = _sources(cfg, geo, progress)
@@ -163,7 +178,7 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
     _drop_cached_blocks(device)
     base_layers = [build_layer(geo, t, device) for t in per_layer]
     baseline = _phase(
-        base_layers, lambda lay: baseline_post_load(lay, ACT_DTYPE), device, progress, "baseline"
+        base_layers, lambda lay: baseline_post_load(lay, act), device, progress, "baseline"
     )
     reference = [tuple(t.cpu() for t in _pair(layer)) for layer in base_layers]
     del base_layers
@@ -172,7 +187,7 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
     reports = []
     lean = _phase(
         lean_layers,
-        lambda lay: reports.append(post_load(lay, ACT_DTYPE, lifecycle)),
+        lambda lay: reports.append(post_load(lay, act, lifecycle)),
         device,
         progress,
         "lean",
@@ -183,10 +198,10 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
             ours = ours.cpu()
             parity = max(parity, _max_abs_err(ours, theirs))
             bit_identical &= torch.equal(ours, theirs)
-    idempotent = all(post_load(lay, ACT_DTYPE, lifecycle).action == "noop" for lay in lean_layers)
+    idempotent = all(post_load(lay, act, lifecycle).action == "noop" for lay in lean_layers)
     del reference
     released = lifecycle.release_source and lean["source_bytes"] == 0
-    reload = _reload_check(lean_layers, geo, fmt, cfg, lifecycle, device, progress)
+    reload = _reload_check(lean_layers, geo, fmt, cfg, lifecycle, act, device, progress)
 
     notes = []
     if cfg.mha_prefill:
@@ -194,9 +209,12 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
     elif not cfg.release:
         notes.append(NO_RELEASE_NOTE)
     plan = reports[0].plan
+    if reports[0].action == "aliased":
+        notes.append(ALIAS_NOTE)
     return {
         "schema": SCHEMA,
-        "preset": cfg.preset,
+        "preset": geo.model.name,
+        "dtype": cfg.dtype,
         "tp": cfg.tp,
         "rank": cfg.rank,
         "heads_per_rank": geo.num_heads,
@@ -208,8 +226,8 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         "baseline": baseline,
         "lean": lean,
         "reclaimed_bytes": baseline["resident_bytes"] - lean["resident_bytes"],
-        "scratch_bound_bytes": plan.scratch_bound_bytes,
-        "heads_per_chunk": plan.heads_per_chunk,
+        "scratch_bound_bytes": plan.scratch_bound_bytes if plan else 0,
+        "heads_per_chunk": plan.heads_per_chunk if plan else 0,
         "checks": {
             "parity_max_abs_err": parity,
             "parity_ok": bit_identical and parity == 0.0,

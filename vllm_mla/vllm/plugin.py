@@ -15,11 +15,24 @@ logger = logging.getLogger("vllm_mla")
 _result: dict[str, str] | None = None
 
 
+def _make_visible() -> None:
+    """vLLM configures only its own ``vllm`` logger; without a handler of ours (or the
+    application's, on the root logger) the start-up line at INFO would be dropped."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [vllm-mla] %(message)s"))
+    logger.addHandler(handler)
+
+
 def register() -> dict[str, str]:
     """Apply the enabled patches (idempotent); returns {feature: outcome}."""
     global _result
     if _result is not None:
         return _result
+    _make_visible()
     if not envs.plugin_enabled():
         _result = {}
         logger.info("vllm-mla: disabled by VLLM_MLA=0; vLLM untouched")
@@ -28,6 +41,10 @@ def register() -> dict[str, str]:
 
     features, unknown = envs.plugin_features()
     _result = patches.apply(features)
+    if _result.get("sparse", "").startswith("applied"):
+        from vllm_mla.vllm.sparse import registration
+
+        _result["sparse"] += "; " + registration.register()
     for name in unknown:
         _result[name] = f"skipped: unknown feature (known: {', '.join(envs.FEATURES)})"
     summary = "; ".join(f"{k}: {v}" for k, v in sorted(_result.items())) or "no features"
@@ -42,3 +59,8 @@ def reset() -> None:
 
     patches.revert()
     _result = None
+
+
+def registered() -> dict[str, str] | None:
+    """What ``register()`` applied in this process (None: it has not run here)."""
+    return None if _result is None else dict(_result)

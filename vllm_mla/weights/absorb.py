@@ -11,6 +11,9 @@ contiguous absorbed pair ``layer.W_UK_T [N, P, L]`` and ``layer.W_UV [N, L, V]``
 
 A failure anywhere leaves the source intact, binds nothing new and marks the
 layer for a full retry. Running it again with nothing new is a no-op.
+A dense source already in the activation dtype that must stay is not copied: the
+pair is bound as views of it, exactly as upstream does ("aliased"; a copy would only
+add bytes).
 ``baseline_post_load`` reproduces upstream vLLM 0.33 for side-by-side measurement.
 """
 
@@ -118,7 +121,7 @@ class AbsorbedState:
 class PostLoadReport:
     """What one post-load call did."""
 
-    action: Literal["materialized", "reloaded", "noop"]
+    action: Literal["materialized", "reloaded", "aliased", "noop"]
     pair: dict[str, str] = field(default_factory=dict)
     released_bytes: int = 0
     plan: AbsorptionPlan | None = None
@@ -265,6 +268,11 @@ def post_load(
         )
     if not refresh and state.fingerprint == source.fingerprint():
         return PostLoadReport("noop")
+    if aliases_source(source, act_dtype, config):
+        for name, view in upstream_views(layer, source.weight).items():
+            _replace_parameter(layer, name, view)
+        state.fingerprint, state.released = source.fingerprint(), False
+        return PostLoadReport("aliased")
 
     plan = plan_absorption(layer, source, act_dtype, config)
     action = "reloaded" if state.fingerprint is not None else "materialized"
@@ -299,15 +307,35 @@ def baseline_post_load(layer: nn.Module, act_dtype: torch.dtype = torch.bfloat16
     with ``replace_parameter`` semantics: copied in place when shape, stride, dtype
     and device all match, otherwise rebound.
     """
-    n, p, v, lat = layer_dims(layer)
     source = sources.read_source(layer.kv_b_proj)
     if source is None:
         raise LifecycleError("baseline post-load needs kv_b_proj's source tensors")
     weight = _upstream_dequantize(source).to(act_dtype)
-    kv = weight.T.view(lat, n, p + v)
-    w_uk, w_uv = kv.split([p, v], dim=-1)
-    _replace_parameter(layer, "W_UV", w_uv.transpose(0, 1))
-    _replace_parameter(layer, "W_UK_T", w_uk.permute(1, 2, 0))
+    for name, view in upstream_views(layer, weight).items():
+        _replace_parameter(layer, name, view)
+
+
+def aliases_source(source: KVBSource, act_dtype: torch.dtype, config: LifecycleConfig) -> bool:
+    """True when the pair is best left as views of the source: a dense kv_b_proj already
+    in ``act_dtype`` that must stay. A copy would add the pair's bytes and save nothing."""
+    return source.fmt == "dense" and source.weight.dtype == act_dtype and not config.release_source
+
+
+def upstream_views(layer: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """vLLM's pair as views of ``weight [N*(P+V), L]``: W_UK_T [N, P, L], W_UV [N, L, V]."""
+    n, p, v, lat = layer_dims(layer)
+    w_uk, w_uv = weight.T.view(lat, n, p + v).split([p, v], dim=-1)
+    return {"W_UV": w_uv.transpose(0, 1), "W_UK_T": w_uk.permute(1, 2, 0)}
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _upstream_dequantize(source: KVBSource) -> torch.Tensor:
@@ -332,6 +360,8 @@ def _upstream_dequantize(source: KVBSource) -> torch.Tensor:
 
 def _replace_parameter(layer: nn.Module, name: str, new: torch.Tensor) -> None:
     old = getattr(layer, name, None)
+    if isinstance(old, torch.Tensor) and _same_view(old, new):
+        return  # already this very view: copying it onto itself would only cost time
     if (
         isinstance(old, torch.Tensor)
         and old.shape == new.shape

@@ -14,8 +14,8 @@ from torch import nn
 from vllm_mla.geometry import RankGeometry
 from vllm_mla.quant import fp8_block, mxfp8
 
-WeightFormat = Literal["bf16", "fp8-block", "mxfp8"]
-WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8-block", "mxfp8")
+WeightFormat = Literal["bf16", "fp32", "fp8-block", "mxfp8"]
+WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp32", "fp8-block", "mxfp8")
 
 
 class KVBProj(nn.Module):
@@ -56,6 +56,8 @@ def source_tensors(weight: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.T
     """kv_b_proj tensors for ``weight`` in checkpoint format ``fmt`` (named as vLLM names them)."""
     if fmt == "bf16":
         return {"weight": weight.to(torch.bfloat16)}
+    if fmt == "fp32":
+        return {"weight": weight.to(torch.float32)}
     if fmt == "fp8-block":
         q = fp8_block.quantize(weight)
         return {"weight": q.values, "weight_scale_inv": q.scale_inv}

@@ -24,6 +24,15 @@ the two agree and that every target exists in the installed vLLM):
     why: cuBLAS batched BF16 GEMM over-reads the strided operand on SM120/121 (Xid 31)
     removal: when cuBLAS or upstream's _v_up_proj is safe on SM12x
 
+``sparse_kv_cache_dtype`` (feature ``sparse``, vLLM 0.32 and 0.33)
+    target: ``vllm.model_executor.layers.attention.mla_attention``
+    ``._canonicalize_sparse_mla_kv_cache_dtype``
+    why: upstream maps auto/fp8 to fp8_ds_mla only for its own sparse backends, by name
+    removal: when upstream canonicalises by a backend attribute instead of by name
+
+The ``sparse`` feature also registers the ``B12X_MLA_SPARSE`` backend (and ``CUSTOM``)
+through ``vllm_mla.vllm.sparse.registration``; that is vLLM's registry API, not a patch.
+
 Rules: a patch applies only if its target exists with the expected parameters;
 a feature's patches apply all or none; an unsupported vLLM version applies
 nothing (one warning). ``apply`` is idempotent; ``revert`` undoes everything.
@@ -78,8 +87,8 @@ PATCHES: tuple[Patch, ...] = (
         why="upstream keeps the quantized kv_b_proj and a BF16 copy, allocated after "
         "dequant scratch has churned the allocator",
         how="runs vllm_mla.weights.post_load (preallocate, bounded chunks, capability-gated "
-        "release) for the generic absorbed path; AMX, aiter and BF16-kept layers go to the "
-        "original untouched",
+        "release; a kept dense source in the activation dtype is aliased as upstream does) for "
+        "the generic absorbed path; AMX and aiter layers go to the original untouched",
         removal="when upstream MLA post-load preallocates the pair, bounds dequant scratch and "
         "releases kv_b_proj by backend capability",
         factory="vllm_mla.vllm.patches.mla_post_load:make_process_weights_after_loading",
@@ -112,10 +121,24 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "x", "out"),
         versions=SUPPORTED_VLLM,
         why="cuBLAS batched BF16 GEMM reads past strided operands on SM120/121 (Xid 31)",
-        how="on SM12x or with the needs_safe_query_bmm capability, the generic path runs "
-        "safe_mla_query_bmm; otherwise the original, untouched",
+        how="on SM12x, with the needs_safe_query_bmm capability or VLLM_MLA_SAFE_BMM=always, "
+        "the generic path runs safe_mla_query_bmm; otherwise the original, untouched",
         removal="when cuBLAS or upstream's _v_up_proj is safe on SM12x",
         factory="vllm_mla.vllm.patches.mla_v_up_proj:make_v_up_proj",
+    ),
+    Patch(
+        name="sparse_kv_cache_dtype",
+        feature="sparse",
+        module="vllm.model_executor.layers.attention.mla_attention",
+        qualname="_canonicalize_sparse_mla_kv_cache_dtype",
+        params=("attn_backend", "kv_cache_dtype"),
+        versions=SUPPORTED_VLLM,
+        why="upstream maps auto/fp8 to fp8_ds_mla only for FLASHMLA_SPARSE and "
+        "FLASHINFER_MLA_SPARSE_SM120, matched by name",
+        how="for a backend named B12X_MLA_SPARSE, auto/fp8/fp8_e4m3 become fp8_ds_mla; "
+        "everything else goes to the original",
+        removal="when upstream canonicalises by a backend attribute instead of by name",
+        factory="vllm_mla.vllm.patches.sparse_kv_cache_dtype:make_canonicalize",
     ),
 )
 

@@ -7,9 +7,11 @@ after dequant scratch (allocator holes), and never releases the source.
 How: the generic absorbed path runs ``vllm_mla.weights.post_load`` (pair allocated
 first, bounded chunks, release only when the backend's capability allows it and no
 dense MHA prefill calls kv_b_proj); the rest of upstream's tail (DCP query copy,
-default quant scales) runs as upstream does. Delegated untouched to the original:
-AMX and ROCm aiter BMM layers (they own their weights), and a BF16/FP16 kv_b_proj
-that must stay (upstream's pair aliases it: no copy, no scratch, nothing to gain).
+default quant scales) runs as upstream does. A dense kv_b_proj already in the
+activation dtype that must stay is aliased as upstream does (no copy, no scratch:
+nothing to gain). Delegated untouched to the original: AMX and ROCm aiter BMM
+layers (they own their weights). Every call is recorded in
+``vllm_mla.vllm.telemetry`` (layer name and action, or why delegated).
 Removal: when upstream adopts the same allocation order and capability-gated release.
 """
 
@@ -21,8 +23,9 @@ import torch
 from torch import nn
 
 from vllm_mla.backends import capabilities_for, lifecycle_config
+from vllm_mla.vllm import telemetry
 from vllm_mla.weights import LifecycleConfig, post_load
-from vllm_mla.weights.sources import DENSE_DTYPES, KVBSource, owner_module
+from vllm_mla.weights.sources import KVBSource, owner_module
 
 OWN_BMM_FLAGS = (
     "is_amx_bmm_enabled",
@@ -107,17 +110,11 @@ def vllm_reader(act_dtype: torch.dtype) -> Callable[[nn.Module], KVBSource | Non
     return read
 
 
-def delegate_reason(
-    layer: nn.Module, act_dtype: torch.dtype, config: LifecycleConfig
-) -> str | None:
+def delegate_reason(layer: nn.Module) -> str | None:
     """Why this layer goes to upstream's post-load untouched (None: the lifecycle owns it)."""
     for flag in OWN_BMM_FLAGS:
         if getattr(layer, flag, False):
             return flag
-    weight = getattr(owner_module(layer.kv_b_proj), "weight", None)
-    kept = not config.release_source
-    if kept and isinstance(weight, torch.Tensor) and weight.dtype in DENSE_DTYPES:
-        return "dense kv_b_proj kept: upstream's pair aliases it"
     return None
 
 
@@ -143,9 +140,12 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
     """The replacement for ``MLAAttention.process_weights_after_loading``."""
 
     def process_weights_after_loading(self: nn.Module, act_dtype: torch.dtype) -> None:
-        config = layer_config(self)
-        if delegate_reason(self, act_dtype, config) is not None:
+        name = getattr(self, "layer_name", type(self).__name__)
+        reason = delegate_reason(self)
+        if reason is not None:
+            telemetry.record_post_load(name, f"delegated: {reason}")
             return original(self, act_dtype)
+        config = layer_config(self)
         self.impl.process_weights_after_loading(act_dtype)
         if getattr(self, "dcp_q_replicate", False):
             pad = getattr(self, "q_pad_num_heads", None)
@@ -153,8 +153,9 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
                 raise ValueError("DCP query replication is unsupported with q_pad_num_heads")
         # refresh: vLLM's reload writes new weights through .data, which no version
         # counter sees, so a present source is always re-materialized (in place).
-        post_load(self, act_dtype, config, reader=vllm_reader(act_dtype), refresh=True)
+        report = post_load(self, act_dtype, config, reader=vllm_reader(act_dtype), refresh=True)
         _upstream_tail(self)
+        telemetry.record_post_load(name, report.action)
 
     process_weights_after_loading.__doc__ = original.__doc__
     process_weights_after_loading.__qualname__ = original.__qualname__

@@ -5,8 +5,9 @@ Target: ``vllm.model_executor.layers.attention.mla_attention.MLAAttention
 Why: on SM120/121 the cuBLAS batched BF16 GEMM reads past the strided operand of
 ``torch.bmm(x.transpose(0, 1), W_UV, out=...)`` and faults (Xid 31), seen after long
 chunked prefill.
-How: for the generic path (not AMX or aiter), when the GPU is SM12x or the backend's
-capability sets ``needs_safe_query_bmm``, the same product runs through
+How: for the generic path (not AMX or aiter), when the GPU is SM12x, the backend's
+capability sets ``needs_safe_query_bmm`` or ``VLLM_MLA_SAFE_BMM=always`` (``never``
+turns it off), the same product runs through
 ``safe_mla_query_bmm`` (our bounds-checked kernel, or a contiguous copy where it is
 not built), or, when W_UV is upstream's transposed view of a kept BF16 kv_b_proj,
 through torch.bmm on a contiguous copy of the activation (the known workaround);
@@ -21,17 +22,25 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from vllm_mla import envs
 from vllm_mla.backends import capabilities_for
 from vllm_mla.ops import safe_mla_query_bmm
+from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.patches.mla_post_load import OWN_BMM_FLAGS, backend_name
 
 DECISION_ATTR = "_vllm_mla_safe_v_up"
 
 
 def needs_safe_bmm(layer: nn.Module, device: torch.device) -> bool:
-    """SM12x GPUs, or a backend declaring ``needs_safe_query_bmm``; never AMX/aiter layers."""
+    """SM12x GPUs, or a backend declaring ``needs_safe_query_bmm``; never AMX/aiter layers.
+
+    ``VLLM_MLA_SAFE_BMM`` overrides the choice for generic layers: ``always`` / ``never``.
+    """
     if any(getattr(layer, flag, False) for flag in OWN_BMM_FLAGS):
         return False
+    mode = envs.safe_bmm_mode()
+    if mode != "auto":
+        return mode == "always"
     if capabilities_for(backend_name(layer) or "").needs_safe_query_bmm:
         return True
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
@@ -45,14 +54,18 @@ def make_v_up_proj(original: Callable) -> Callable:
         if safe is None:
             safe = self.__dict__[DECISION_ATTR] = needs_safe_bmm(self, x.device)
         if not safe:
+            telemetry.record_query("v_up_proj:original")
             return original(self, x, out)
         x = x.view(-1, self.num_heads, self.kv_lora_rank).transpose(0, 1)
         out = out.view(-1, self.num_heads, self.v_head_dim).transpose(0, 1)
-        if self.W_UV.stride(-1) == 1:
+        if self.W_UV.stride(-1) == 1 and x.dtype == torch.bfloat16:
+            telemetry.record_query("v_up_proj:safe_bmm")
             safe_mla_query_bmm(x, self.W_UV, out)
         else:
-            # Upstream's transposed view of a kept BF16 kv_b_proj cannot feed the safe op;
-            # the known-safe workaround copies the strided activation instead.
+            # Upstream's transposed view of a kept dense kv_b_proj (or a dtype the safe op
+            # does not take) cannot feed the safe op; the known-safe workaround copies the
+            # strided activation instead.
+            telemetry.record_query("v_up_proj:contiguous_copy")
             torch.bmm(x.contiguous(), self.W_UV, out=out)
         return None
 

@@ -1,0 +1,129 @@
+"""`vllm-mla make-model`: a tiny local MLA checkpoint that vLLM and transformers load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_mla.cli import main
+from vllm_mla.geometry import GeometryError, from_hf_config
+from vllm_mla.qualify import QualifyConfig, run_qualify
+from vllm_mla.quant import fp8_block
+from vllm_mla.tinymodel import MakeModelError, TinyModelSpec, make_model, weights
+
+SMALL = TinyModelSpec(layers=2, heads=2, hidden=64, intermediate=128, vocab=320)
+
+
+def read(folder):
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "small", SMALL)
+
+
+def test_folder_has_config_weights_and_tokenizer(small):
+    config = json.loads((small / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v2" and config["q_lora_rank"] is None
+    assert config["first_k_dense_replace"] == SMALL.layers  # dense layers only
+    geo = from_hf_config(small)
+    assert (geo.num_heads, geo.kv_lora_rank, geo.qk_rope_head_dim) == (2, 512, 64)
+    assert (geo.qk_nope_head_dim, geo.v_head_dim, geo.num_layers) == (128, 128, 2)
+    tensors = read(small)
+    assert tensors["model.layers.1.self_attn.kv_b_proj.weight"].shape == (2 * 256, 512)
+    assert tensors["model.embed_tokens.weight"].shape == (320, 64)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(small / "tokenizer.json"))
+    assert tok.get_vocab_size() == config["vocab_size"] == 320
+    ids = tok.encode("Brai stou dra").ids
+    assert ids and tok.decode(ids) == "Brai stou dra"
+
+
+def test_weights_follow_seed_and_std():
+    a, b = weights(SMALL, 320), weights(SMALL, 320)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = weights(TinyModelSpec(**{**SMALL.__dict__, "seed": 1}), 320)
+    assert not torch.equal(a["lm_head.weight"], other["lm_head.weight"])
+    std = a["model.layers.0.self_attn.q_proj.weight"].std().item()
+    assert abs(std - SMALL.init_std) < 0.01
+
+
+def test_fp8_block_kv_b_proj_and_exact_twin(tmp_path):
+    spec = TinyModelSpec(**{**SMALL.__dict__, "kv_b_format": "fp8-block"})
+    folder = make_model(tmp_path / "fp8", spec)
+    tensors = read(folder)
+    key = "model.layers.0.self_attn.kv_b_proj"
+    assert tensors[f"{key}.weight"].dtype == torch.float8_e4m3fn
+    assert tensors[f"{key}.weight_scale_inv"].shape == (4, 4)
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quant["weight_block_size"] == [128, 128]
+    assert f"{key}".replace("kv_b_proj", "q_proj") in quant["modules_to_not_convert"]
+    assert not any("kv_b_proj" in m for m in quant["modules_to_not_convert"])
+    # the fp32 twin holds exactly the values block FP8 decodes to
+    twin = weights(TinyModelSpec(**{**SMALL.__dict__, "kv_b_exact": True}), 320)
+    packed = fp8_block.FP8BlockTensor(tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"])
+    assert torch.equal(twin[f"{key}.weight"], fp8_block.dequantize(packed, torch.float32))
+    plain = weights(SMALL, 320)
+    assert not torch.equal(plain[f"{key}.weight"], twin[f"{key}.weight"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("vocab", 100, "vocab must be >= 300"),
+        ("init_std", 0.0, "--init-std must be > 0"),
+        ("heads", 0, "--heads must be >= 1"),
+        ("kv_b_format", "int4", "kv_b format must be one of"),
+    ],
+)
+def test_bad_specs_name_the_setting(field, value, message):
+    with pytest.raises(MakeModelError, match=message):
+        TinyModelSpec(**{field: value})
+
+
+def test_cli_make_model(tmp_path, capsys):
+    args = ["make-model", str(tmp_path / "m"), "--layers", "1", "--heads", "2", "--hidden", "64"]
+    assert main(args) == 0
+    assert "1 layers, 2 heads" in capsys.readouterr().out
+    assert from_hf_config(tmp_path / "m").num_layers == 1
+    assert main(["make-model", str(tmp_path / "bad"), "--init-std", "-1"]) == 2
+    assert "--init-std must be > 0" in capsys.readouterr().err
+
+
+def test_geometry_from_a_non_mla_config_names_the_missing_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8}))
+    with pytest.raises(GeometryError, match="missing qk_nope_head_dim"):
+        from_hf_config(tmp_path)
+    with pytest.raises(GeometryError, match=r"not a readable config\.json"):
+        from_hf_config(tmp_path / "absent")
+
+
+def test_qualify_a_model_folder_in_fp32_predicts_the_aliased_pair(small):
+    report = run_qualify(QualifyConfig(model=str(small), tp=1, dtype="float32", mha_prefill=True))
+    assert (report["preset"], report["layers"], report["weights"]) == ("small", 2, "fp32")
+    kv_b_bytes = 2 * 256 * 512 * 4
+    assert report["lean"]["absorbed_bytes"] == 2 * kv_b_bytes  # views of the source
+    assert report["lean"]["resident_bytes"] == report["baseline"]["resident_bytes"]
+    assert report["reclaimed_bytes"] == 0 and report["checks"]["parity_ok"]
+    assert any("aliases the dense source" in n for n in report["notes"])
+
+
+def test_qualify_a_model_folder_in_bf16_copies_the_pair(small):
+    report = run_qualify(QualifyConfig(model=str(small), tp=1, mha_prefill=True))
+    kv_b_bytes = 2 * 256 * 512
+    assert report["lean"]["absorbed_bytes"] == 2 * kv_b_bytes * 2  # bf16 pair
+    assert report["lean"]["source_bytes"] == 2 * kv_b_bytes * 4  # fp32 source kept
+    assert not any("aliases" in n for n in report["notes"])
+
+
+def test_qualify_rejects_an_unknown_dtype():
+    from vllm_mla.qualify import QualifyError
+
+    with pytest.raises(QualifyError, match="--dtype must be one of bfloat16, float32"):
+        run_qualify(QualifyConfig(preset="deepseek-v2-lite", tp=1, layers=1, dtype="half"))

@@ -1,0 +1,108 @@
+"""End-to-end fixtures: two tiny local checkpoints, engine runs with the plugin off and
+on (each its own process), and transformers fp32 as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_mla.tinymodel import TinyModelSpec, make_model
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from engine_job import MAX_TOKENS, PROMPTS  # noqa: E402
+
+ENGINE_TIMEOUT_S = 300
+# Engine runs: plugin OFF, and ON with the safe V up-projection forced so the query
+# path's replacement is the one serving every decode step.
+RUNS = {
+    "off": {"VLLM_MLA": "0"},
+    "on": {"VLLM_MLA": "1", "VLLM_MLA_SAFE_BMM": "always"},
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """``first`` (seed 0) and ``second`` (seed 1, the reload) tiny MLA checkpoints."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "first": make_model(root / "first", TinyModelSpec(seed=0)),
+        "second": make_model(root / "second", TinyModelSpec(seed=1)),
+    }
+
+
+@pytest.fixture(scope="session")
+def engine(models, tmp_path_factory) -> dict[str, dict]:
+    """{"off"|"on": the engine job's report}; both engines run side by side."""
+    out_dir = tmp_path_factory.mktemp("engine")
+    procs = {}
+    for name, env in RUNS.items():
+        log = open(out_dir / f"{name}.log", "w")  # noqa: SIM115 (closed below)
+        cmd = [
+            sys.executable,
+            str(HERE / "engine_job.py"),
+            str(models["first"]),
+            str(models["second"]),
+            str(out_dir / f"{name}.json"),
+        ]
+        env = {**os.environ, **env}
+        # cwd: a source tree's *.egg-info would shadow the installed entry points
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=out_dir)
+        procs[name] = (proc, log)
+    reports = {}
+    for name, (proc, log) in procs.items():
+        try:
+            proc.wait(timeout=ENGINE_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        text = (out_dir / f"{name}.log").read_text()
+        assert proc.returncode == 0, f"engine run {name!r} failed:\n{text[-4000:]}"
+        reports[name] = json.loads((out_dir / f"{name}.json").read_text())
+        reports[name]["log"] = text
+    return reports
+
+
+def hf_reference(model_dir: Path, prompt_ids: list[list[int]]) -> list[dict]:
+    """transformers fp32: greedy tokens, and log-probabilities of the whole vocabulary at
+    every generated position (teacher-forced on its own greedy tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            tokens = list(ids)
+            for _ in range(MAX_TOKENS):
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+            full = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
+            generated = tokens[len(ids) :]
+            steps = full[len(ids) - 1 : len(tokens) - 1]
+            results.append({"token_ids": generated, "logprobs": steps})
+    return results
+
+
+@pytest.fixture(scope="session")
+def hf(models, engine) -> dict[str, list[dict]]:
+    """The transformers reference for both checkpoints, on the engine's own prompt ids."""
+    prompt_ids = [r["prompt_token_ids"] for r in engine["off"]["first"]]
+    assert len(prompt_ids) == len(PROMPTS)
+    started = time.perf_counter()
+    ref = {name: hf_reference(path, prompt_ids) for name, path in models.items()}
+    ref["elapsed_s"] = time.perf_counter() - started
+    return ref

@@ -1,0 +1,107 @@
+"""One vLLM engine run, as its own process: generate, read the plugin's record, reload.
+
+Usage: python engine_job.py MODEL RELOAD_MODEL OUT.json. The plugin is on or off by
+the environment (``VLLM_MLA``); vLLM runs in this one process (no engine-core
+subprocess), fp32, eager, with the CPU rotary workaround and explicit KV bytes.
+Everything read from the engine goes through ``LLM.apply_model`` / ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+PROMPTS = [
+    "Brai stou dra",
+    "Chond theastha plostdrio",
+    "Sot murkdrair neandmork drork",
+]
+MAX_TOKENS = 8
+TOP_LOGPROBS = 5
+
+
+def engine_kwargs(model: str) -> dict:
+    """The settings every e2e engine uses (see REFERENCE section 8 for why)."""
+    return {
+        "model": model,
+        "dtype": "float32",
+        "seed": 0,
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 64 << 20,
+        # vLLM CPU's fused rotary kernel is wrong for multi-head MLA queries
+        "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+    }
+
+
+def _generate(llm) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS)
+    results = []
+    for request in llm.generate(PROMPTS, params, use_tqdm=False):
+        out = request.outputs[0]
+        results.append(
+            {
+                "prompt_token_ids": list(request.prompt_token_ids),
+                "token_ids": list(out.token_ids),
+                "text": out.text,
+                "logprobs": [
+                    {str(tok): lp.logprob for tok, lp in step.items()} for step in out.logprobs
+                ],
+            }
+        )
+    return results
+
+
+def _pair_pointers(model) -> dict[str, list[int]]:
+    return {
+        name: [m.W_UK_T.data_ptr(), m.W_UV.data_ptr()]
+        for name, m in model.named_modules()
+        if hasattr(m, "W_UK_T") and hasattr(m, "kv_b_proj")
+    }
+
+
+def _engine_state(model) -> dict:
+    """Read inside the worker: the plugin's record, pair addresses, the ledger."""
+    from vllm_mla.vllm import plugin, telemetry
+
+    first = next(m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "W_UK_T"))
+    return {
+        "telemetry": telemetry.snapshot(),
+        "plugin": plugin.registered(),
+        "pointers": _pair_pointers(model),
+        "ledger": telemetry.ledger_by_layer(model),
+        "backend": first.attn_backend.get_name(),
+        "kv_b_dtype": str(first.kv_b_proj.weight.dtype),
+    }
+
+
+def main(model: str, reload_model: str, out_path: str) -> None:
+    from vllm import LLM
+
+    timings = {}
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(model))
+    timings["load_s"] = time.perf_counter() - start
+    report = {"pid": os.getpid(), "vllm_mla_env": os.environ.get("VLLM_MLA")}
+    t = time.perf_counter()
+    report["first"] = _generate(llm)
+    timings["generate_s"] = time.perf_counter() - t
+    (report["state_first"],) = llm.apply_model(_engine_state)
+    t = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": reload_model})
+    timings["reload_s"] = time.perf_counter() - t
+    report["reloaded"] = _generate(llm)
+    (report["state_reloaded"],) = llm.apply_model(_engine_state)
+    timings["total_s"] = time.perf_counter() - start
+    report["timings"] = timings
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
+    main(*sys.argv[1:4])

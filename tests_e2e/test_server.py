@@ -1,0 +1,110 @@
+"""vLLM's OpenAI server with the plugin: start on 127.0.0.1, one completion, clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from engine_job import engine_kwargs
+
+START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 2.0) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status
+
+
+def post(url: str, body: dict, timeout: float = 60.0) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def group_alive(pgid: int, grace_s: float = 10.0) -> bool:
+    """True while any process of group ``pgid`` still runs after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
+
+
+def server_command(model: str, port: int) -> list[str]:
+    kw = engine_kwargs(model)
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--model={model}",
+        f"--dtype={kw['dtype']}",
+        f"--max-model-len={kw['max_model_len']}",
+        f"--kv-cache-memory-bytes={kw['kv_cache_memory_bytes']}",
+        f"--compilation-config={json.dumps(kw['compilation_config'])}",
+        "--enforce-eager",
+    ]
+
+
+def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            server_command(str(models["first"]), port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_MLA": "1"},
+            cwd=tmp_path,  # not the repository root: an egg-info there shadows the plugin
+            start_new_session=True,  # its own process group: the stop reaches every child
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-4000:]}"
+            try:
+                if get(f"{base}/health") == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, "server not healthy in time"
+            time.sleep(0.5)
+        body = {"model": str(models["first"]), "prompt": "Brai stou dra", "max_tokens": 6}
+        reply = post(f"{base}/v1/completions", {**body, "temperature": 0})
+        assert reply["choices"][0]["finish_reason"] in ("length", "stop")
+        assert reply["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the server's PID only: it stops its engine itself
+        try:
+            code = proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"server ignored SIGTERM for {STOP_TIMEOUT_S} s") from None
+    log = log_path.read_text()
+    assert code in (0, -signal.SIGTERM), f"exit code {code}"
+    assert not group_alive(proc.pid), "server left processes behind"
+    # the plugin registered in the serving processes (front end and engine core)
+    assert "vllm-mla 0.32" in log and "lifecycle: applied" in log

@@ -1,0 +1,230 @@
+"""A tiny DeepSeek-V2-style MLA checkpoint, made locally (``vllm-mla make-model``).
+
+The folder holds a transformers ``config.json`` (``deepseek_v2``, dense layers,
+no q LoRA), ``model.safetensors`` and a byte-level BPE tokenizer trained here on a
+seeded synthetic corpus, so vLLM and transformers can both load it with no download.
+Weights are N(0, init_std) (norms 1); a large ``init_std`` keeps logits far from
+uniform, which end-to-end comparisons need to see real differences.
+
+With ``kv_b_format="fp8-block"`` kv_b_proj is stored as DeepSeek block FP8 (e4m3
+``weight`` + fp32 ``weight_scale_inv`` per 128x128) and every other layer stays
+fp32 (``modules_to_not_convert``); ``kv_b_exact=True`` instead stores fp32 values
+that block FP8 represents exactly, so a transformers fp32 run of the dense folder
+sees the same numbers as vLLM's FP8 layer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_mla.quant import fp8_block
+
+KV_LORA_RANK = 512
+QK_ROPE = 64
+QK_NOPE = 128
+V_HEAD = 128
+KV_B_FORMATS = ("fp32", "fp8-block")
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+class MakeModelError(ValueError):
+    """A make-model setting that cannot produce a loadable checkpoint."""
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """What ``make_model`` writes; defaults give a ~7 MB, 2-layer, 4-head model."""
+
+    layers: int = 2
+    heads: int = 4
+    hidden: int = 256
+    intermediate: int = 512
+    vocab: int = 1024
+    seed: int = 0
+    init_std: float = 0.15
+    kv_b_format: str = "fp32"
+    kv_b_exact: bool = False
+    max_position: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "hidden", "intermediate"):
+            if getattr(self, name) < 1:
+                raise MakeModelError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab < 300:
+            raise MakeModelError(f"vocab must be >= 300 (256 bytes + specials), got {self.vocab}")
+        if not self.init_std > 0:
+            raise MakeModelError(f"--init-std must be > 0, got {self.init_std}")
+        if self.kv_b_format not in KV_B_FORMATS:
+            raise MakeModelError(
+                f"kv_b format must be one of {KV_B_FORMATS}, got {self.kv_b_format!r}"
+            )
+
+
+def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
+    """The transformers ``DeepseekV2Config`` fields of the model (dense layers only)."""
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "moe_intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.heads,
+        "first_k_dense_replace": spec.layers,  # every layer dense: no MoE
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_layer_freq": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": KV_LORA_RANK,
+        "qk_rope_head_dim": QK_ROPE,
+        "qk_nope_head_dim": QK_NOPE,
+        "v_head_dim": V_HEAD,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position,
+        "initializer_range": spec.init_std,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if spec.kv_b_format == "fp8-block":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": _fp32_modules(spec),
+        }
+    return config
+
+
+def _fp32_modules(spec: TinyModelSpec) -> list[str]:
+    names = ["lm_head"]
+    for i in range(spec.layers):
+        p = f"model.layers.{i}"
+        names += [f"{p}.self_attn.{n}" for n in ("q_proj", "kv_a_proj_with_mqa", "o_proj")]
+        names += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
+    """Seeded fp32 weights under transformers' DeepSeek-V2 names."""
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * spec.init_std
+
+    h, d = spec.heads, spec.hidden
+    out = {"model.embed_tokens.weight": normal(vocab, d)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}"
+        kv_b = normal(h * (QK_NOPE + V_HEAD), KV_LORA_RANK)
+        if spec.kv_b_exact or spec.kv_b_format == "fp8-block":
+            kv_b = fp8_block.dequantize(fp8_block.quantize(kv_b), torch.float32)
+        out |= {
+            f"{p}.input_layernorm.weight": torch.ones(d),
+            f"{p}.post_attention_layernorm.weight": torch.ones(d),
+            f"{p}.self_attn.q_proj.weight": normal(h * (QK_NOPE + QK_ROPE), d),
+            f"{p}.self_attn.kv_a_proj_with_mqa.weight": normal(KV_LORA_RANK + QK_ROPE, d),
+            f"{p}.self_attn.kv_a_layernorm.weight": torch.ones(KV_LORA_RANK),
+            f"{p}.self_attn.kv_b_proj.weight": kv_b,
+            f"{p}.self_attn.o_proj.weight": normal(d, h * V_HEAD),
+            f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
+            f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
+            f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
+        }
+        if spec.kv_b_format == "fp8-block":
+            packed = fp8_block.quantize(kv_b)
+            out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
+            out[f"{p}.self_attn.kv_b_proj.weight_scale_inv"] = packed.scale_inv
+    out["model.norm.weight"] = torch.ones(d)
+    out["lm_head.weight"] = normal(vocab, d)
+    return out
+
+
+def _corpus(seed: int, words: int = 20000) -> list[str]:
+    """Seeded pseudo-words: enough distinct pairs for a 1k BPE vocabulary."""
+    rng = random.Random(seed)
+    onsets = [*"bcdfghjklmnprstvwz", "br", "cr", "dr", "st", "tr", "pl", "gr", "sh", "ch", "th"]
+    vowels = [*"aeiou", "ai", "ea", "ou", "io"]
+    codas = ["", "n", "r", "s", "t", "l", "nd", "st", "rk"]
+    vocab = [
+        "".join(
+            rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+            for _ in range(rng.randint(1, 3))
+        )
+        for _ in range(3000)
+    ]
+    lines, line = [], []
+    for _ in range(words):
+        line.append(rng.choice(vocab))
+        if len(line) >= rng.randint(6, 14):
+            lines.append(" ".join(line).capitalize() + rng.choice([".", ",", "!", "?"]))
+            line = []
+    return lines
+
+
+def train_tokenizer(vocab: int, seed: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with exactly ``vocab`` entries."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as exc:  # pragma: no cover - tokenizers is a declared dependency
+        raise MakeModelError("make-model needs the 'tokenizers' package") from exc
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != vocab:
+        raise MakeModelError(
+            f"tokenizer trained to {tok.get_vocab_size()} entries, expected {vocab}"
+        )
+    return tok
+
+
+def make_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write the checkpoint folder; returns its path. Existing files are overwritten."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec.vocab, spec.seed)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "model_max_length": spec.max_position,
+            },
+            indent=2,
+        )
+    )
+    (folder / "config.json").write_text(json.dumps(config_dict(spec, spec.vocab), indent=2))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2)
+    )
+    tensors = {k: v.contiguous() for k, v in weights(spec, spec.vocab).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
