@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the decode query path, in one device call (expected < 8 minutes on an H200;
-# the step timeouts add up to 10 minutes, the device tool's per-call limit):
-# build the stable-ABI CUDA op, memcheck it, gate correctness, time with graph replay.
-#   run through the device tool:  bash benchmarks/gpu_check.sh   (writes under $OUT)
-#   anywhere else:                OUT=/tmp/qp bash benchmarks/gpu_check.sh
+# GPU checks, in parts; each part fits one device call of 10 minutes (the device tool's
+# per-call limit), `all` does not: run `query` and `sparse` as separate calls.
+#   query  (expected < 8 minutes on an H200; its step timeouts add up to 10 minutes):
+#          build the stable-ABI CUDA op, memcheck it, gate correctness, time with graph replay.
+#   sparse (step timeouts 240 + 120 s): benchmarks/sparse_mla.py (kernel correctness, graph
+#          replay, 10k soak, roofline), then benchmarks/sparse_ownership.py (allocator census
+#          around plan/prepare/bind/release and a KV-pool rebind, graph replay after freeze).
+# The machine step runs for every part.
+#   run through the device tool:  bash benchmarks/gpu_check.sh [query|sparse|all]  (default
+#                                 all; writes under $OUT)
+#   anywhere else:                OUT=/tmp/qp bash benchmarks/gpu_check.sh sparse
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out}"
@@ -11,11 +17,18 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 PY="${PYTHON:-python3}"
 step() { echo; echo "== $* ($(date +%T))"; }
+PART="${1:-all}"
+case "$PART" in
+  query|sparse|all) ;;
+  *) echo "usage: $0 [query|sparse|all]   (got '$PART')" >&2; exit 2 ;;
+esac
+want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 
+if want query; then
 step "build the CUDA op (sm_90 only, for time)"
 rm -f vllm_mla/_C*.so
 VLLM_MLA_CUDA_ARCHS="${VLLM_MLA_CUDA_ARCHS:-90}" timeout 120 "$PY" setup.py build_ext --inplace \
@@ -56,3 +69,15 @@ PY
 step "correctness gate + CUDA-graph timing"
 timeout 180 "$PY" benchmarks/query_path.py --out "$OUT/query_path.json" 2>&1 | tee "$OUT/query_path.txt"
 echo "benchmark exit ${PIPESTATUS[0]}"
+fi
+
+if want sparse; then
+step "sparse MLA: correctness, graph replay, soak, roofline"
+timeout 240 "$PY" benchmarks/sparse_mla.py --out "$OUT/sparse_mla.json" 2>&1 | tee "$OUT/sparse_mla.txt"
+echo "sparse_mla exit ${PIPESTATUS[0]}"
+
+step "sparse MLA ownership: allocator census, pool rebind, graph replay after freeze"
+timeout 120 "$PY" benchmarks/sparse_ownership.py --out "$OUT/sparse_ownership.json" 2>&1 \
+  | tee "$OUT/sparse_ownership.txt"
+echo "sparse_ownership exit ${PIPESTATUS[0]}"
+fi

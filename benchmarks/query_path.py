@@ -17,15 +17,15 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import common
 
 from vllm_mla.ops import query_bmm
 from vllm_mla.ops import query_projection as qp_mod
@@ -138,22 +138,6 @@ def check_graph_replay(m, h, p, fmt, out_dtype, device, gen) -> dict:
     return {"fused_max_abs_diff": fused_diff, "safe_rel_err": safe_err, "ok": ok}
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
-    src = torch.randn(1 << 28, device=device)  # 1 GiB
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
-
-
 def graph_time_us(step, reps: int = 20) -> float:
     """Median per-replay time (us) of a CUDA graph that runs ``step`` once."""
     stream = torch.cuda.Stream()
@@ -221,22 +205,7 @@ def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
 
 
 def environment() -> dict:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    import triton
-
-    env = {
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": commit,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda_op": query_bmm.cuda_op_available(),
-    }
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-    return env
+    return {**common.environment(), "cuda_op": query_bmm.cuda_op_available()}
 
 
 def main() -> int:
@@ -278,7 +247,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(report, indent=2))
         return 1 if failures else 0
 
-    bandwidth = copy_bandwidth(device)
+    bandwidth = common.copy_bandwidth(device)
     report["copy_bandwidth_TBps"] = bandwidth / 1e12
     header = f"{'M':>3} {'H':>3} {'P':>4} {'W':>6} {'out':>5} | {'staged':>7} {'safe':>7} "
     header += f"{'bmm*':>7} {'fused':>7} | {'f/s':>5} {'s/b':>5} {'roof%':>6}"

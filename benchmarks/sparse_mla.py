@@ -21,11 +21,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,8 @@ import torch
 
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from common import copy_bandwidth, environment
 
 from vllm_mla.ops import sparse_mla as sm
 from vllm_mla.ops.sparse_mla import (
@@ -214,22 +214,6 @@ def soak(fmt, cache, device, gen, replays, t=32, h=16, k=2048, bank=8) -> dict:
     }
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
-    src = torch.randn(1 << 28, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
-
-
 def time_decode(fmt, t, h, k, cache, device, gen, bandwidth, reps=50) -> dict:
     st = Static(fmt, t, h, k, cache, device)
     num_rows = cache.shape[0] * cache.shape[1]
@@ -260,28 +244,6 @@ def time_decode(fmt, t, h, k, cache, device, gen, bandwidth, reps=50) -> dict:
         "GBps": gathered / (us * 1e-6) / 1e9,
         "pct_roofline": 100 * gathered / (us * 1e-6) / bandwidth,
     }
-
-
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["capability"] = list(torch.cuda.get_device_capability())
-    with contextlib.suppress(OSError):
-        env["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-            check=False,
-        ).stdout.strip()
-    return env
 
 
 def markdown(report: dict) -> str:

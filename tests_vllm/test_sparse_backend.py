@@ -459,3 +459,33 @@ def test_builder_threshold_follows_speculative_decoding():
     spec = SimpleNamespace(block_size=BLOCK)
     builder = B12XMLASparseMetadataBuilder(spec, ["l0"], builder_config(3), "cpu")
     assert builder.reorder_batch_threshold == 4  # 1 + 3 drafts go decode-first too
+
+
+def test_real_backend_releases_and_vllm_reload_regenerates_in_place(
+    registered, cpu_session, monkeypatch
+):
+    """B12X_MLA_SPARSE itself (not a stand-in name): metadata recorded at init, load +
+    post-load (sources released), vLLM's layerwise reload: pair addresses kept, new
+    values, released again."""
+    from test_mla_post_load import pair, reload_through_vllm, upstream_pair
+    from vllm.model_executor.model_loader import reload
+
+    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+    model = torch.nn.Module()
+    model.attn = mla_layer("fp8-block")
+    model.attn.attn_backend = B12XMLASparseBackend
+    model.attn.kv_b_proj.quant_method.process_weights_after_loading = lambda layer: None
+    impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=SpyKernel())
+    model.attn.impl = make_impl(buffer=numpy_buffer()[0])
+    model.attn.prefill_backend = None
+    reload.record_metadata_for_reloading(model)
+    with torch.no_grad():
+        model.attn.process_weights_after_loading(torch.bfloat16)
+    kv_b = model.attn.kv_b_proj
+    assert kv_b.weight.numel() == 0 and kv_b.weight_scale_inv.numel() == 0
+    before = [t.data_ptr() for t in pair(model.attn)]
+    reload_through_vllm(model, seed=3)
+    assert [t.data_ptr() for t in pair(model.attn)] == before
+    assert kv_b.weight.numel() == 0 and kv_b.weight_scale_inv.numel() == 0
+    for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=3), strict=True):
+        assert torch.equal(ours, theirs)

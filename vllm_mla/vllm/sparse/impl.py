@@ -14,6 +14,8 @@ What it does (vLLM 0.33, REFERENCE.md section 9):
 - Preparation: in ``process_weights_after_loading`` (before vLLM's profiling
   capture), one plan per distinct capacity set is prepared on probes that die with
   it; the session freezes once vLLM locks its workspace (after capture).
+- b12x: construction calls ``b12x_runner.install()`` (registers the b12x runner when
+  b12x imports), so ``select_impl`` picks b12x on SM120/121.
 - Scratch: from vLLM's workspace manager (shared across layers), sized from the
   declared capacities; reserved during the profile run.
 """
@@ -36,6 +38,7 @@ from vllm_mla.backends.b12x_sparse import (
     TopkSelection,
     logical_to_physical,
 )
+from vllm_mla.ops.sparse_mla import b12x_runner
 from vllm_mla.vllm.sparse.backend import NAME
 
 logger = logging.getLogger("vllm_mla")
@@ -135,6 +138,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         self.v_head_dim = mla_args.get("v_head_dim")
         self.kv_b_proj = kv_b_proj  # the module; the lifecycle releases its sources
         self.kv_format = kv_format_of(kv_cache_dtype)
+        # Before planning (process_weights_after_loading -> select_impl): with b12x
+        # installed, SM120/121 gets its kernels; without it this is a no-op.
+        b12x_runner.install()
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
         self.caps = self._declare_caps(num_heads, topk_indices_buffer, indexer)
         self.kv_binding = LayerKVBinding(
