@@ -345,3 +345,10 @@ def test_reference_impl_is_prepared_without_probes():
     session.freeze()
     assert kernel.launches == []  # nothing to compile: no probe was launched
     session.run(session.bind(p, scratch=None, q=query(3), kv_cache=cache(), indices=indices(3)))
+
+
+def test_not_prepared_is_one_error_family():
+    from vllm_mla.backends.b12x_sparse import preparation
+    from vllm_mla.ops import sparse_mla
+
+    assert issubclass(preparation.SparseMLANotPrepared, sparse_mla.SparseMLANotPrepared)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from vllm_mla.ops.sparse_mla.kv_format import SparseMLANotPrepared as KernelNotPrepared
+
 LATENT = 512  # kv_lora_rank L: the value/output width
 ROPE = 64  # qk_rope_head_dim R
 HEAD_SIZE = LATENT + ROPE  # 576: the MQA query/key width
@@ -44,23 +46,26 @@ KERNEL_MODULE = "vllm_mla.ops.sparse_mla"
 NO_COMPILE_IMPLS = ("reference",)
 
 
-class SparseMLAError(RuntimeError):
-    """Base of the preparation errors."""
+class PreparationError(RuntimeError):
+    """Base of the preparation errors (ownership and lifetime, not argument checks)."""
 
 
-class PreparationFrozen(SparseMLAError):
+class PreparationFrozen(PreparationError):
     """``prepare`` was called after ``freeze()``."""
 
 
-class SparseMLANotPrepared(SparseMLAError):
-    """A launch needs a variant that was never prepared (frozen session or capture)."""
+class SparseMLANotPrepared(PreparationError, KernelNotPrepared):
+    """A launch needs a variant that was never prepared (frozen session or capture).
+
+    A subclass of the kernel module's error of the same name, so one ``except`` of
+    ``vllm_mla.ops.sparse_mla.SparseMLANotPrepared`` catches both."""
 
 
-class ProbeRetained(SparseMLAError):
+class ProbeRetained(PreparationError):
     """A synthetic probe tensor is still referenced after ``prepare`` returned."""
 
 
-class PlanReleased(SparseMLAError):
+class PlanReleased(PreparationError):
     """A binding or scratch request refers to a plan that ``release`` has dropped."""
 
 
