@@ -108,3 +108,4 @@ def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
     assert not group_alive(proc.pid), "server left processes behind"
     # the plugin registered in the serving processes (front end and engine core)
     assert "vllm-mla 0.32" in log and "lifecycle: applied" in log
+    assert "registered B12X_MLA_SPARSE and CUSTOM" in log and "--attention-backend CUSTOM" in log
