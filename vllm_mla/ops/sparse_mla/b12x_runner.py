@@ -49,7 +49,6 @@ output are bf16), and a softmax scale that is not finite and positive (Caps reje
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -239,19 +238,18 @@ def run_b12x(
     *,
     softmax_scale: float,
     kv_format: str,
-) -> None:
-    """Write ``out`` [T,H,512] (and natural-log ``lse`` [T,H]) for validated arguments.
+) -> bool:
+    """Write ``out`` [T,H,512] (and natural-log ``lse`` [T,H]) for validated arguments;
+    False (nothing written) for a call b12x does not serve: the caller runs Triton.
 
     Same contract as ``sparse_mla_reference``. After a token count's plan exists (see
     the module docstring), a call allocates nothing beyond what b12x itself does.
     """
     if unserved_reason(q_nope, kv_format, softmax_scale) is not None:
-        args = (q_nope, q_pe, kv_cache, indices, lengths, out, lse, scratch)
-        _run_triton(*args, softmax_scale=softmax_scale, kv_format=kv_format)
-        return
+        return False
     t, h = q_nope.shape[:2]
     if t == 0:
-        return
+        return True
     module = b12x_module()
     if module is None:
         raise RuntimeError(f"the b12x runner is registered but {B12X_MODULE} does not import")
@@ -281,26 +279,4 @@ def run_b12x(
         if b12x_lse is None:
             raise RuntimeError("b12x returned no lse although the plan declares return_lse")
         lse.copy_(b12x_lse)  # natural log: the plan asks for lse_scale="natural"
-
-
-def _run_triton(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    lengths: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    scratch: torch.Tensor | None,
-    *,
-    softmax_scale: float,
-    kv_format: str,
-) -> None:
-    """The portable kernel for what b12x does not serve (the caller's scratch is its)."""
-    from vllm_mla.ops.sparse_mla.validate import validate
-
-    kernels = importlib.import_module("vllm_mla.ops.triton.sparse_mla")
-    args = validate(
-        (q_nope, q_pe), kv_cache, indices, kv_format=kv_format, lengths=lengths, out=out, lse=lse
-    )
-    kernels.launch(args, kv_cache, indices, lengths, out, lse, scratch, softmax_scale, kv_format)
+    return True

@@ -42,7 +42,7 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 OUT_REL_ERR = 1e-2  # ||out - ref|| / ||ref||
 LSE_ABS_ERR = 1e-2
 
-B12XRunner = Callable[..., None]
+B12XRunner = Callable[..., bool]
 _b12x_runner: B12XRunner | None = None
 
 
@@ -51,7 +51,8 @@ def register_b12x_runner(runner: B12XRunner | None) -> None:
 
     Called as ``runner(q_nope, q_pe, kv_cache, indices, lengths, out, lse, scratch,
     softmax_scale=..., kv_format=...)`` with validated tensors; it must write ``out``
-    (and ``lse`` when not None) and allocate nothing while a graph is captured.
+    (and ``lse`` when not None), allocate nothing while a graph is captured and return
+    True, or return False without writing for a call it does not serve (Triton runs).
     """
     global _b12x_runner
     _b12x_runner = runner
@@ -209,24 +210,25 @@ def _sparse_mla_op(
         (q_nope, q_pe), kv_cache, indices, kv_format=kv_format, lengths=lengths, out=out, lse=lse
     )
     impl = _resolve(impl, q_nope.device)
-    if impl == "triton":
+    served = impl == "b12x" and _b12x_runner(
+        q_nope,
+        q_pe,
+        kv_cache,
+        indices,
+        lengths,
+        out,
+        lse,
+        scratch,
+        softmax_scale=softmax_scale,
+        kv_format=kv_format,
+    )
+    if served:
+        return
+    if impl in ("triton", "b12x"):  # b12x: a call its runner does not serve
         from vllm_mla.ops.triton import sparse_mla as kernels
 
         kernels.launch(
             args, kv_cache, indices, lengths, out, lse, scratch, softmax_scale, kv_format
-        )
-    elif impl == "b12x":
-        _b12x_runner(
-            q_nope,
-            q_pe,
-            kv_cache,
-            indices,
-            lengths,
-            out,
-            lse,
-            scratch,
-            softmax_scale=softmax_scale,
-            kv_format=kv_format,
         )
     else:
         ref_out, ref_lse = sparse_mla_reference(
