@@ -31,12 +31,22 @@ def make_layer(geo: RankGeometry, fmt: str, seed: int = 0, layer: int = 0) -> ML
 
 
 def reference_pair(geo: RankGeometry, fmt: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """W_UK_T, W_UV computed directly from the definition (independent of the lifecycle)."""
-    layer = make_layer(geo, fmt, seed)
-    from vllm_mla.weights.sources import read_source
+    """W_UK_T, W_UV computed directly from the definition (independent of the lifecycle):
+    the exact float32 dequantization of the checkpoint tensors, rounded once to bf16."""
+    from vllm_mla.quant import fp8_block, mxfp8
+    from vllm_mla.weights.layer import checkpoint_tensors
 
-    src = read_source(layer.kv_b_proj)
-    full = src.dequantize_rows(0, src.shape[0]).to(torch.bfloat16)
+    weight = synthetic_weight(geo, seed=seed, layer=0, std=0.5)
+    ckpt = checkpoint_tensors(weight, fmt)
+    if fmt == "fp8-block":
+        full = fp8_block.dequantize(
+            fp8_block.FP8BlockTensor(ckpt["weight"], ckpt["weight_scale_inv"])
+        )
+    elif fmt == "mxfp8":
+        full = mxfp8.dequantize(mxfp8.MXFP8Tensor(ckpt["weight"], ckpt["weight_scale"], axis=1))
+    else:
+        full = ckpt["weight"]
+    full = full.to(torch.bfloat16)
     m = geo.model
     w = full.view(geo.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
     w_uk_t = w[:, : m.qk_nope_head_dim, :].contiguous()

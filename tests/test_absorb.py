@@ -16,9 +16,11 @@ from vllm_mla.weights import (
     LifecycleError,
     ReleaseRefusedError,
     baseline_post_load,
+    faults,
     post_load,
 )
-from vllm_mla.weights.sources import KVBSource, read_source
+from vllm_mla.weights.forms import read_source
+from vllm_mla.weights.layer import build_layer, source_tensors, synthetic_weight
 
 RELEASE = LifecycleConfig(release_source=True, dense_mha_prefill=False)
 
@@ -26,7 +28,7 @@ RELEASE = LifecycleConfig(release_source=True, dense_mha_prefill=False)
 def head_scratch(layer) -> int:
     """Scratch bytes the lifecycle declares for dequantizing one head of ``layer``."""
     source = read_source(layer.kv_b_proj)
-    return (layer.qk_nope_head_dim + layer.v_head_dim) * source.scratch_bytes_per_row()
+    return (layer.qk_nope_head_dim + layer.v_head_dim) * source.reader.unit_bytes
 
 
 def pair(layer):
@@ -125,7 +127,8 @@ def test_scratch_stays_within_the_plan(geo, fmt, heads):
 
 
 def test_scratch_is_far_below_baseline(geo):
-    lean, base = make_layer(geo, "mxfp8"), make_layer(geo, "mxfp8")
+    """Block FP8: upstream widens the whole layer to float32 (scaled_dequantize)."""
+    lean, base = make_layer(geo, "fp8-block"), make_layer(geo, "fp8-block")
     with AllocationTrace() as lean_trace:
         post_load(lean, torch.bfloat16, LifecycleConfig(max_scratch_bytes=head_scratch(lean)))
     with AllocationTrace() as base_trace:
@@ -133,7 +136,21 @@ def test_scratch_is_far_below_baseline(geo):
     whole_layer_fp32 = lean.kv_b_proj.weight.numel() * 4
     assert lean_trace.transient_peak() < whole_layer_fp32
     assert base_trace.transient_peak() >= whole_layer_fp32
-    assert lean_trace.transient_peak() * 4 < base_trace.transient_peak()
+
+
+def test_mxfp8_baseline_models_upstreams_identity_gemm(geo):
+    """MXFP8: upstream runs ``apply(layer, eye)`` in the activation dtype (W8A8 kernels
+    quantize the identity first); the [K, N] output is what the pair keeps."""
+    base = make_layer(geo, "mxfp8")
+    k = geo.model.kv_lora_rank
+    rows = base.kv_b_proj.weight.shape[0]
+    with AllocationTrace() as trace:
+        baseline_post_load(base, torch.bfloat16)
+    sizes = [a.size for a in trace.allocations()]
+    assert k * k * 2 in sizes  # the bf16 identity
+    assert k * k in sizes and k * k // 32 in sizes  # its e4m3 values and E8M0 scales
+    assert rows * k * 2 in [a.size for a in trace.allocations() if not a.freed]  # kept output
+    assert base.W_UK_T.untyped_storage().nbytes() == rows * k * 2
 
 
 def test_scratch_bound_below_one_head_is_an_error(geo):
@@ -164,20 +181,41 @@ def test_release_frees_source_and_packed_storage(geo, fmt):
     layer = make_layer(geo, fmt)
     kv_b = layer.kv_b_proj
     kv_b.weight.weight_loader = "loader"  # vLLM hangs loaders on parameters
-    kv_b.vllm_mla_packed = {"repacked": kv_b.weight.detach().clone()}
-    refs = [weakref.ref(p) for p in kv_b.parameters()]
-    refs.append(weakref.ref(kv_b.vllm_mla_packed["repacked"]))
-    expected = sum(p.untyped_storage().nbytes() for p in kv_b.parameters()) + (
-        kv_b.vllm_mla_packed["repacked"].untyped_storage().nbytes()
-    )
+    params = dict(kv_b.named_parameters())
+    refs = [weakref.ref(p.untyped_storage()) for p in params.values()]
+    expected = sum(p.untyped_storage().nbytes() for p in params.values())
     report = post_load(layer, torch.bfloat16, RELEASE)
     gc.collect()
     assert report.released_bytes == expected
     assert all(r() is None for r in refs), "a released tensor is still referenced"
-    assert kv_b.weight.numel() == 0 and kv_b.weight.weight_loader == "loader"
-    assert kv_b.vllm_mla_packed is None
+    for name, param in kv_b.named_parameters():
+        assert param is params[name] and param.numel() == 0  # same object, reloadable
+    assert kv_b.weight.weight_loader == "loader"
     for got, want in zip(pair(layer), reference_pair(geo, fmt), strict=True):
         assert torch.equal(got, want)
+
+
+def test_release_frees_a_packed_owner(geo):
+    """b12x's MXFP8 kernel empties weight/weight_scale and keeps a packed owner: that owner
+    is the source, read directly and released."""
+    layer = build_layer(geo, source_tensors(synthetic_weight(geo, seed=0, layer=0), "mxfp8-b12x"))
+    kv_b = layer.kv_b_proj
+    owner = kv_b.b12x_mxfp8_packed_weight
+    tensors = [owner.weight.values, owner.weight.scale_rows, owner.weight.scale_mma]
+    refs = [weakref.ref(t.untyped_storage()) for t in tensors]
+    expected = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
+    del owner, tensors
+    reference = build_layer(geo, source_tensors(synthetic_weight(geo, seed=0, layer=0), "mxfp8"))
+    post_load(reference, torch.bfloat16)
+    report = post_load(layer, torch.bfloat16, RELEASE)
+    gc.collect()
+    assert report.released_bytes == expected
+    assert kv_b.b12x_mxfp8_packed_weight is None and all(r() is None for r in refs)
+    for got, want in zip(pair(layer), pair(reference), strict=True):
+        assert torch.equal(got, want)
+    assert post_load(layer, torch.bfloat16, RELEASE).action == "noop"
 
 
 class Boom(RuntimeError):
@@ -185,16 +223,16 @@ class Boom(RuntimeError):
 
 
 def fail_on_call(monkeypatch, n):
-    """Make the n-th dequantize_rows call (1-based) raise, mid-materialization."""
-    real, calls = KVBSource.dequantize_rows, []
+    """Make the n-th dequantization chunk (1-based) raise, mid-materialization."""
+    calls = []
 
-    def flaky(self, start, stop):
-        calls.append(start)
-        if len(calls) == n:
-            raise Boom("injected")
-        return real(self, start, stop)
+    def injector(kind, name):
+        if kind == "dequant":
+            calls.append(name)
+            if len(calls) == n:
+                raise Boom("injected")
 
-    monkeypatch.setattr(KVBSource, "dequantize_rows", flaky)
+    monkeypatch.setattr(faults, "_injector", injector)  # the seam tests install through
     return calls
 
 
@@ -207,7 +245,7 @@ def test_failed_first_load_leaves_the_layer_untouched(geo, monkeypatch):
     fail_on_call(monkeypatch, 2)
     with pytest.raises(Boom) as info:
         post_load(layer, torch.bfloat16, config)
-    assert "nothing was released" in "".join(info.value.__notes__)
+    assert "nothing released" in "".join(info.value.__notes__)
     assert not hasattr(layer, "W_UK_T") and not hasattr(layer, "W_UV")
     for name, param in layer.kv_b_proj.named_parameters():
         assert torch.equal(param.view(torch.uint8), before[name].view(torch.uint8))

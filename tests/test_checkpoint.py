@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from vllm_mla.geometry import MLAGeometry
 from vllm_mla.weights.checkpoint import CheckpointError, checkpoint_format, load_kv_b_proj
-from vllm_mla.weights.layer import source_tensors
+from vllm_mla.weights.layer import checkpoint_tensors
 
 MODEL = MLAGeometry(4, 64, 16, 64, 64, 2, name="tiny")  # 128 rows per head: FP8 blocks align
 
@@ -21,7 +21,7 @@ def full_weight(layer: int) -> torch.Tensor:
 def write(path, fmt, layers=2, extra=None):
     tensors = {"model.embed_tokens.weight": torch.zeros(4, 4)}
     for i in range(layers):
-        for name, t in source_tensors(full_weight(i), fmt).items():
+        for name, t in checkpoint_tensors(full_weight(i), fmt).items():
             tensors[f"model.layers.{i}.self_attn.kv_b_proj.{name}"] = t.contiguous()
     tensors.update(extra or {})
     save_file(tensors, str(path))
@@ -35,14 +35,14 @@ def test_reads_every_layer_in_its_format(tmp_path, fmt):
     assert len(layers) == 2 and checkpoint_format(layers[0]) == fmt
     assert torch.equal(
         layers[1]["weight"].view(torch.uint8),
-        source_tensors(full_weight(1), fmt)["weight"].view(torch.uint8),
+        checkpoint_tensors(full_weight(1), fmt)["weight"].view(torch.uint8),
     )
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-block", "mxfp8"])
 def test_tp_slices_heads_and_pads_the_last_rank(tmp_path, fmt):
     path = write(tmp_path / "m.safetensors", fmt, layers=1)
-    full = source_tensors(full_weight(0), fmt)
+    full = checkpoint_tensors(full_weight(0), fmt)
     geo = MODEL.shard(3, rank=1)  # 2 heads per rank; rank 1: heads 2, 3
     rank1 = load_kv_b_proj(path, geo)[0]
     assert torch.equal(rank1["weight"].view(torch.uint8), full["weight"][256:512].view(torch.uint8))
@@ -68,7 +68,7 @@ def test_layers_limit(tmp_path):
 
 
 def test_nan_scales_are_reported_with_tensor_name_and_count(tmp_path):
-    bad = source_tensors(full_weight(0), "mxfp8")
+    bad = checkpoint_tensors(full_weight(0), "mxfp8")
     bad["weight_scale"][3, :2] = 255
     bad["weight_scale"][7, 0] = 255
     save_file(
@@ -93,7 +93,7 @@ def test_fp8_block_split_inside_a_block_is_refused(tmp_path):
     save_file(
         {
             f"layers.0.self_attn.kv_b_proj.{k}": v
-            for k, v in source_tensors(torch.randn(256, 64), "fp8-block").items()
+            for k, v in checkpoint_tensors(torch.randn(256, 64), "fp8-block").items()
         },
         str(tmp_path / "m.safetensors"),
     )

@@ -8,6 +8,7 @@ from conftest import make_layer
 
 from vllm_mla.memory import AllocationTrace, Ledger
 from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
+from vllm_mla.weights.layer import build_layer, source_tensors, synthetic_weight
 
 MIB = 1 << 20
 
@@ -53,10 +54,17 @@ def test_baseline_keeps_source_and_lean_releases_it(geo, fmt):
 
 
 def test_packed_owner_is_its_own_line(geo):
-    layer = make_layer(geo, "mxfp8")
-    layer.kv_b_proj.vllm_mla_packed = [torch.empty(300, dtype=torch.uint8)]
+    """b12x's packed owner (nested dataclasses of tensors) counts as packed, once per storage."""
+    held = source_tensors(synthetic_weight(geo, seed=0, layer=0), "mxfp8-b12x")
+    layer = build_layer(geo, held)
+    owner = layer.kv_b_proj.b12x_mxfp8_packed_weight
+    expected = sum(
+        t.untyped_storage().nbytes()
+        for t in (owner.weight.values, owner.weight.scale_rows, owner.weight.scale_mma)
+    )
     post_load(layer, torch.bfloat16)
-    assert Ledger().add_layer(layer)["packed"] == 300
+    row = Ledger().add_layer(layer)
+    assert row["packed"] == expected and row["source"] == 0  # weight/weight_scale are empty
 
 
 def test_trace_separates_transient_from_persistent():

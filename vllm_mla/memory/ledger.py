@@ -26,7 +26,8 @@ def storage_key(tensor: torch.Tensor) -> tuple:
 def layer_owners(layer: nn.Module) -> dict[str, list[torch.Tensor]]:
     """The tensors each owner holds in one MLA layer."""
     # Imported here: weights depends on memory, never the other way round at import time.
-    from vllm_mla.weights.sources import PACKED_ATTRS, packed_tensors
+    from vllm_mla.weights.forms import PACKED_ATTRS
+    from vllm_mla.weights.sources import packed_tensors
 
     absorbed = [
         t for t in (getattr(layer, a, None) for a in ABSORBED_ATTRS) if isinstance(t, torch.Tensor)

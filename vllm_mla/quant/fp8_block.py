@@ -122,6 +122,32 @@ def dequantize(
     return deq.to(dtype)
 
 
+UE8M0_AMAX_FLOOR = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamps each block amax to this
+
+
+def requantize_ue8m0(t: FP8BlockTensor) -> FP8BlockTensor:
+    """``t`` re-quantized with power-of-two block scales, as DeepGEMM's post-load does in
+    place when ``VLLM_USE_DEEP_GEMM_E8M0`` is on (vLLM's ``requant_weight_ue8m0_inplace``).
+
+    Per block: ``w = dequantize(t)`` in float32, ``sf = 2 ** ceil(log2(max(amax, 1e-4) /
+    448))``, ``values = e4m3_rne(w * (1 / sf))``; ``scale_inv = sf``. The values change
+    (this is lossy), so the absorbed pair must be read from the requantized tensors.
+    """
+    w = dequantize(t, torch.float32)
+    rows, cols = w.shape
+    br, bc = t.block
+    n_br, n_bc = _scale_shape((rows, cols), t.block)
+    padded = torch.zeros(n_br * br, n_bc * bc, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w
+    blocks = padded.view(n_br, br, n_bc, bc)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(UE8M0_AMAX_FLOOR)
+    sf = torch.pow(2.0, torch.ceil(torch.log2(amax / E4M3_MAX)))
+    values = (blocks * (1.0 / sf)).to(torch.float8_e4m3fn).view(n_br * br, n_bc * bc)
+    return FP8BlockTensor(
+        values[:rows, :cols].contiguous(), sf.view(n_br, n_bc).contiguous(), tuple(t.block)
+    )
+
+
 def _check_block(block: tuple[int, int]) -> None:
     if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
         raise ValueError(f"block: expected two positive ints, got {block}")

@@ -11,11 +11,14 @@ from vllm_mla.weights.absorb import (
     post_load,
 )
 from vllm_mla.weights.device import DeviceResolutionError, resolve_device
-from vllm_mla.weights.sources import KVBSource, SourceError, read_source
+from vllm_mla.weights.forms import FORMS, KVBForm, detect, read_source
+from vllm_mla.weights.sources import KVBSource, SourceError
 
 __all__ = [
+    "FORMS",
     "AbsorptionPlan",
     "DeviceResolutionError",
+    "KVBForm",
     "KVBSource",
     "LifecycleConfig",
     "LifecycleError",
@@ -23,6 +26,7 @@ __all__ = [
     "ReleaseRefusedError",
     "SourceError",
     "baseline_post_load",
+    "detect",
     "plan_absorption",
     "post_load",
     "read_source",

@@ -3,14 +3,17 @@
 ``post_load(layer, act_dtype, config)`` turns ``layer.kv_b_proj`` into the
 contiguous absorbed pair ``layer.W_UK_T [N, P, L]`` and ``layer.W_UV [N, L, V]``:
 
-1. plan the pair and a bounded scratch (head groups);
-2. preallocate the pair before any scratch exists (or reuse compatible storage
-   in place on reload, so CUDA-graph addresses never move);
-3. dequantize head group by head group straight into the pair;
-4. release the source only when the config allows it, after step 3 succeeded.
+1. plan the pair and a bounded scratch (head groups, or latent columns for layouts
+   read through the layer's own GEMM);
+2. preallocate the pair before any scratch exists (on reload, compatible storage
+   is kept so CUDA-graph addresses never move, and the new values are staged beside it);
+3. dequantize chunk by chunk straight into the new (or staged) pair;
+4. prepare the release (when the config allows it), then commit: copy a staged pair
+   into the live one, bind a new one, swap the source for placeholders.
 
-A failure anywhere leaves the source intact, binds nothing new and marks the
-layer for a full retry. Running it again with nothing new is a no-op.
+A failure before the commit leaves every tensor of the layer as it was (identity and
+values) and the next post-load retries from scratch; the commit itself is plain
+assignments and two same-shape copies. Running it again with nothing new is a no-op.
 A dense source already in the activation dtype that must stay is not copied: the
 pair is bound as views of it, exactly as upstream does ("aliased"; a copy would only
 add bytes).
@@ -28,9 +31,8 @@ import torch
 from torch import nn
 
 from vllm_mla.quant import mxfp8
-from vllm_mla.weights import sources
-from vllm_mla.weights.device import resolve_device
-from vllm_mla.weights.sources import KVBSource
+from vllm_mla.weights import faults, forms
+from vllm_mla.weights.sources import ChunkAxis, KVBSource, prepare_release
 
 logger = logging.getLogger("vllm_mla")
 
@@ -78,7 +80,11 @@ class LifecycleConfig:
 
 @dataclass(frozen=True)
 class AbsorptionPlan:
-    """Shapes and bytes of the persistent pair and of the scratch; allocates nothing."""
+    """Shapes and bytes of the persistent pair and of the scratch; allocates nothing.
+
+    ``axis`` says what a chunk is: a group of heads (rows of kv_b_proj) or, for layouts
+    read through the layer's own GEMM, a group of latent columns (identity rows).
+    """
 
     num_heads: int
     nope_dim: int
@@ -86,8 +92,9 @@ class AbsorptionPlan:
     latent_dim: int
     dtype: torch.dtype
     device: torch.device
-    heads_per_chunk: int
-    scratch_bound_bytes: int | None  # None: an external dequant, not bounded here
+    axis: ChunkAxis
+    per_chunk: int  # heads (axis "rows") or latent columns (axis "cols") per chunk
+    scratch_bound_bytes: int | None  # None: the kernel's own scratch is not bounded here
 
     @property
     def shapes(self) -> dict[str, tuple[int, int, int]]:
@@ -100,9 +107,14 @@ class AbsorptionPlan:
         return sum(a * b * c for a, b, c in self.shapes.values()) * size
 
     @property
+    def heads_per_chunk(self) -> int:
+        return self.per_chunk if self.axis == "rows" else self.num_heads
+
+    @property
     def chunks(self) -> list[tuple[int, int]]:
-        step = self.heads_per_chunk
-        return [(h, min(h + step, self.num_heads)) for h in range(0, self.num_heads, step)]
+        total = self.num_heads if self.axis == "rows" else self.latent_dim
+        step = self.per_chunk
+        return [(i, min(i + step, total)) for i in range(0, total, step)]
 
 
 @dataclass
@@ -149,25 +161,26 @@ def plan_absorption(
             f"kv_b_proj.weight shape {source.shape} does not match the layer geometry: "
             f"expected {expected} = (num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)"
         )
-    per_row = source.scratch_bytes_per_row()
-    if per_row is None:  # external dequant: one chunk, no bound we can promise
-        return AbsorptionPlan(n, p, v, lat, act_dtype, resolve_device(layer.kv_b_proj), n, None)
-    per_head = (p + v) * per_row
-    if per_head > config.max_scratch_bytes:
+    reader = source.reader
+    per_unit = (p + v) * reader.unit_bytes if reader.axis == "rows" else reader.unit_bytes
+    what = f"one head ({p + v} rows x {lat})" if reader.axis == "rows" else "one latent column"
+    if per_unit > config.max_scratch_bytes:
         raise LifecycleError(
-            f"max_scratch_bytes={config.max_scratch_bytes} is below the {per_head} bytes one "
-            f"head needs to dequantize ({source.fmt}, {p + v} rows x {lat})"
+            f"max_scratch_bytes={config.max_scratch_bytes} is below the {per_unit} bytes "
+            f"{what} needs to dequantize ({source.form})"
         )
-    heads = n if per_head == 0 else min(n, config.max_scratch_bytes // per_head)
+    total = n if reader.axis == "rows" else lat
+    per_chunk = total if per_unit == 0 else min(total, config.max_scratch_bytes // per_unit)
     return AbsorptionPlan(
         num_heads=n,
         nope_dim=p,
         v_dim=v,
         latent_dim=lat,
         dtype=act_dtype,
-        device=resolve_device(layer.kv_b_proj),
-        heads_per_chunk=heads,
-        scratch_bound_bytes=heads * per_head,
+        device=source.device,
+        axis=reader.axis,
+        per_chunk=per_chunk,
+        scratch_bound_bytes=per_chunk * per_unit,
     )
 
 
@@ -186,32 +199,48 @@ def _incompatibility(tensor: object, shape: tuple, plan: AbsorptionPlan) -> str 
     return None
 
 
-def preallocate(layer: nn.Module, plan: AbsorptionPlan) -> tuple[dict, dict[str, str]]:
-    """Pair storage: existing compatible tensors reused, the rest allocated now."""
-    pair, actions = {}, {}
+def preallocate(layer: nn.Module, plan: AbsorptionPlan) -> tuple[dict, dict, dict[str, str]]:
+    """(live, targets, actions): pair storage, existing compatible tensors kept.
+
+    ``live[name]`` is what the layer will hold; ``targets[name]`` is where the new values
+    are written: the new tensor itself, or a staging tensor beside a kept one (so a
+    failure never leaves a live pair half refilled).
+    """
+    live, targets, actions = {}, {}, {}
     for name, shape in plan.shapes.items():
         existing = getattr(layer, name, None)
         reason = _incompatibility(existing, shape, plan)
+        faults.site("alloc", name)
+        fresh = torch.empty(shape, dtype=plan.dtype, device=plan.device)
         if reason is None:
-            pair[name], actions[name] = existing, "reused"
+            live[name], targets[name], actions[name] = existing, fresh, "reused"
             continue
-        pair[name] = torch.empty(shape, dtype=plan.dtype, device=plan.device)
+        live[name] = targets[name] = fresh
         actions[name] = "allocated" if reason == "absent" else f"replaced ({reason})"
         if reason != "absent":
             logger.info("vllm-mla: %s storage replaced: %s", name, reason)
-    return pair, actions
+    return live, targets, actions
 
 
 def materialize(pair: dict, source: KVBSource, plan: AbsorptionPlan) -> None:
-    """Dequantize one head group at a time straight into the pair (scratch <= the plan's bound)."""
-    p, v, lat = plan.nope_dim, plan.v_dim, plan.latent_dim
+    """Dequantize one chunk at a time straight into ``pair`` (scratch <= the plan's bound)."""
+    n, p, v, lat = plan.num_heads, plan.nope_dim, plan.v_dim, plan.latent_dim
     w_uk_t, w_uv = pair["W_UK_T"], pair["W_UV"]
-    for h0, h1 in plan.chunks:
-        rows = source.dequantize_rows(h0 * (p + v), h1 * (p + v)).view(h1 - h0, p + v, lat)
-        # copy_ rounds to the pair dtype exactly as .to() would, without a second temporary.
-        w_uk_t[h0:h1].copy_(rows[:, :p, :])
-        w_uv[h0:h1].copy_(rows[:, p:, :].transpose(1, 2))
-        del rows
+    for a, b in plan.chunks:
+        faults.site("dequant", f"{plan.axis} {a}:{b}")
+        if plan.axis == "rows":
+            rows = source.reader.read(a * (p + v), b * (p + v)).view(b - a, p + v, lat)
+            faults.site("copy", f"heads {a}:{b}")
+            # copy_ rounds to the pair dtype exactly as .to() would, without a temporary.
+            w_uk_t[a:b].copy_(rows[:, :p, :])
+            w_uv[a:b].copy_(rows[:, p:, :].transpose(1, 2))
+            del rows
+        else:
+            cols = source.reader.read(a, b).view(b - a, n, p + v)  # W[:, a:b].T
+            faults.site("copy", f"latent {a}:{b}")
+            w_uk_t[:, :, a:b].copy_(cols[:, :, :p].permute(1, 2, 0))
+            w_uv[:, a:b, :].copy_(cols[:, :, p:].transpose(0, 1))
+            del cols
 
 
 def _bind(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -240,25 +269,30 @@ def state_of(layer: nn.Module) -> AbsorbedState:
     return state
 
 
+def default_reader(act_dtype: torch.dtype) -> Callable[[nn.Module], KVBSource | None]:
+    """The core reader: kv_b_proj's form detected from the matrix (``forms``)."""
+    return lambda kv_b_proj: forms.read_source(kv_b_proj, act_dtype)
+
+
 def post_load(
     layer: nn.Module,
     act_dtype: torch.dtype = torch.bfloat16,
     config: LifecycleConfig | None = None,
     *,
-    reader: Callable[[nn.Module], KVBSource | None] = sources.read_source,
+    reader: Callable[[nn.Module], KVBSource | None] | None = None,
     refresh: bool = False,
 ) -> PostLoadReport:
     """Run the lean lifecycle on ``layer``; see the module docstring for the guarantees.
 
-    ``reader`` turns ``layer.kv_b_proj`` into a source (None when released); the vLLM
-    integration passes one that knows vLLM's quant methods. ``refresh`` re-materializes
-    whenever a source is present, for callers whose loaders write through ``.data``
-    (invisible to the version counter the no-op check reads), as vLLM's reload does.
+    ``reader`` turns ``layer.kv_b_proj`` into a source (None when released); the default
+    detects its form from the kv_b_proj matrix. ``refresh`` re-materializes whenever a
+    source is present, for callers whose loaders write through ``.data`` (invisible to
+    the version counter the no-op check reads), as vLLM's reload does.
     """
     config = config or LifecycleConfig()
     config.check_release()
     state = state_of(layer)
-    source = reader(layer.kv_b_proj)
+    source = (reader or default_reader(act_dtype))(layer.kv_b_proj)
     if source is None:
         if state.fingerprint is not None and state.released:
             return PostLoadReport("noop")
@@ -269,48 +303,61 @@ def post_load(
     if not refresh and state.fingerprint == source.fingerprint():
         return PostLoadReport("noop")
     if aliases_source(source, act_dtype, config):
-        for name, view in upstream_views(layer, source.weight).items():
+        for name, view in upstream_views(layer, source.dense).items():
             _replace_parameter(layer, name, view)
         state.fingerprint, state.released = source.fingerprint(), False
         return PostLoadReport("aliased")
 
     plan = plan_absorption(layer, source, act_dtype, config)
     action = "reloaded" if state.fingerprint is not None else "materialized"
-    pair, actions = preallocate(layer, plan)
     try:
-        materialize(pair, source, plan)
+        live, targets, actions = preallocate(layer, plan)
+        materialize(targets, source, plan)
+        release = prepare_release(source) if config.release_source else None
+        # Everything that can fail has run; the sites of the commit copies come first
+        # so that an injected fault there, too, finds the live pair untouched.
+        staged = [name for name in PAIR if targets[name] is not live[name]]
+        for name in staged:
+            faults.site("copy", f"commit {name}")
     except BaseException as exc:
         exc.add_note(
-            "vllm-mla: absorbed-pair materialization failed; kv_b_proj's source is intact "
-            "and nothing was released; post-load can be retried"
+            "vllm-mla: absorbed-pair materialization failed; every tensor of the layer is as "
+            "it was (kv_b_proj's source intact, nothing released); post-load can be retried"
         )
         raise
+    with torch.no_grad():
+        for name in staged:
+            live[name].copy_(targets[name])
+    del targets
     for name in PAIR:
-        _bind(layer, name, pair[name])
-
-    released = 0
-    if config.release_source:
-        released = sources.release(source, layer.kv_b_proj)
+        _bind(layer, name, live[name])
+    released = release.commit() if release is not None else 0
     state.released = config.release_source
-    del source
-    after = reader(layer.kv_b_proj)
-    state.fingerprint = after.fingerprint() if after is not None else ("released",)
+    state.fingerprint = source.fingerprint() if release is None else ("released",)
     return PostLoadReport(action, actions, released, plan)
 
 
 def baseline_post_load(layer: nn.Module, act_dtype: torch.dtype = torch.bfloat16) -> None:
-    """What vLLM 0.33 does: dequantize the whole layer, keep the source, pair as views.
+    """What vLLM 0.33's MLA post-load does for kv_b_proj's form (``KVBForm.upstream``).
 
-    Quantized sources go through whole-layer fp32 temporaries before the cast
-    (block FP8 as upstream; upstream's MXFP8 path multiplies by an identity matrix,
-    modelled here the same way as block FP8). The pair is bound
-    with ``replace_parameter`` semantics: copied in place when shape, stride, dtype
-    and device all match, otherwise rebound.
+    ``cast``: ``weight.to(act_dtype)`` (the pair aliases a weight already in that dtype).
+    ``scaled-dequantize``: the whole layer through float32 temporaries, then cast.
+    ``apply-eye``: a ``[K, K]`` identity in the activation dtype (quantized first by a W8A8
+    kernel: e4m3 values and scales) through the layer's GEMM into a ``[K, N]`` output that
+    the pair keeps as views. The GEMM itself is modelled: exact values written one head at
+    a time (<= one head of float32 decode scratch, a modelling artefact; upstream's output
+    is the exact dequantization for every kernel of the matrix). The source is kept.
     """
-    source = sources.read_source(layer.kv_b_proj)
+    source = default_reader(act_dtype)(layer.kv_b_proj)
     if source is None:
         raise LifecycleError("baseline post-load needs kv_b_proj's source tensors")
-    weight = _upstream_dequantize(source).to(act_dtype)
+    f = forms.form(source.form)
+    if f.upstream == "cast":
+        weight = source.dense.to(act_dtype)
+    elif f.upstream == "scaled-dequantize":
+        weight = _scaled_dequantize(source).to(act_dtype)
+    else:
+        weight = _apply_identity(layer, source, f, act_dtype).T
     for name, view in upstream_views(layer, weight).items():
         _replace_parameter(layer, name, view)
 
@@ -318,7 +365,12 @@ def baseline_post_load(layer: nn.Module, act_dtype: torch.dtype = torch.bfloat16
 def aliases_source(source: KVBSource, act_dtype: torch.dtype, config: LifecycleConfig) -> bool:
     """True when the pair is best left as views of the source: a dense kv_b_proj already
     in ``act_dtype`` that must stay. A copy would add the pair's bytes and save nothing."""
-    return source.fmt == "dense" and source.weight.dtype == act_dtype and not config.release_source
+    return (
+        source.dense is not None
+        and forms.form(source.form).family == "unquantized"
+        and source.dense.dtype == act_dtype
+        and not config.release_source
+    )
 
 
 def upstream_views(layer: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -338,24 +390,42 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _upstream_dequantize(source: KVBSource) -> torch.Tensor:
-    """The whole layer at once, as vLLM 0.33 does: widen to fp32, expand the scales to
-    the element grid, multiply. Same fp32 products as ``dequantize_rows`` (so the values
-    are bit-identical), with upstream's whole-layer fp32 temporaries."""
-    weight = source.weight
-    if source.fmt == "dense":
-        return weight
-    if source.fmt == "external":
-        return source.dequantize_rows(0, source.shape[0])
+def _scaled_dequantize(source: KVBSource) -> torch.Tensor:
+    """Block FP8 as vLLM's ``scaled_dequantize``: widen the values and the broadcast
+    scales to float32 ``[N, K]`` and multiply, whole layer at once. Same float32 products
+    as the chunked readers, so the values are bit-identical."""
+    weight, scale = (source.module._parameters[n] for n in ("weight", "weight_scale_inv"))
     rows, cols = source.shape
-    scale = source.tensors[1]
-    if source.fmt == "fp8-block":
-        scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
-        scale = scale[:rows, :cols]
-    else:
-        codes = scale.view(torch.uint8)
-        scale = mxfp8.decode_scales(codes).repeat_interleave(mxfp8.BLOCK_SIZE, 1)
-    return weight.to(torch.float32) * scale
+    grid = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return weight.to(torch.float32) * grid[:rows, :cols]
+
+
+# Element bytes of the activation scales a W8A8 kernel makes for the identity, per
+# element of the identity: block FP8 one fp32 per 128, MXFP8 one E8M0 byte per 32.
+_ACT_SCALE_BYTES = {"fp8-block": 4 / 128, "mxfp8": 1 / mxfp8.BLOCK_SIZE}
+
+
+def _apply_identity(
+    layer: nn.Module, source: KVBSource, f: forms.KVBForm, act_dtype: torch.dtype
+) -> torch.Tensor:
+    """Upstream's ``quant_method.apply(layer, eye)`` -> ``[K, N]`` in ``act_dtype``."""
+    rows, cols = source.shape
+    quantized = None
+    if f.w8a8:  # the kernel quantizes the identity before its GEMM
+        scale_bytes = int(cols * cols * _ACT_SCALE_BYTES[f.family])
+        quantized = (
+            torch.empty(cols, cols, dtype=torch.float8_e4m3fn, device=source.device),
+            torch.empty(scale_bytes, dtype=torch.uint8, device=source.device),
+        )
+    if source.reader.axis == "cols":  # the layer's own GEMM reads its layout
+        return source.reader.read(0, cols)
+    eye = torch.eye(cols, dtype=act_dtype, device=source.device)
+    out = torch.empty(cols, rows, dtype=act_dtype, device=eye.device)
+    step = layer.qk_nope_head_dim + layer.v_head_dim
+    for r in range(0, rows, step):
+        out[:, r : r + step].copy_(source.reader.read(r, min(r + step, rows)).T)
+    del eye, quantized
+    return out
 
 
 def _replace_parameter(layer: nn.Module, name: str, new: torch.Tensor) -> None:

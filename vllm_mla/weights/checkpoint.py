@@ -38,12 +38,13 @@ def _files(path: Path) -> list[Path]:
 
 
 def checkpoint_format(tensors: dict[str, torch.Tensor]) -> str:
-    """'fp8-block', 'mxfp8', or the dense dtype ('bf16', 'fp32') from the tensors present."""
+    """'fp8-block', 'mxfp8', or the dense dtype ('bf16', 'fp16', 'fp32') of the tensors present."""
     if "weight_scale_inv" in tensors:
         return "fp8-block"
     if "weight_scale" in tensors:
         return "mxfp8"
-    return "fp32" if tensors["weight"].dtype == torch.float32 else "bf16"
+    dtype = tensors["weight"].dtype
+    return {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
 
 
 def load_kv_b_proj(

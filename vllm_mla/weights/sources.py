@@ -1,30 +1,33 @@
-"""kv_b_proj source owners: read the checkpoint tensors, dequantize row chunks, release.
+"""kv_b_proj sources: the tensors a linear layer holds after its own post-load.
 
-A *source* is what the checkpoint loaded into ``kv_b_proj``: a dense weight, a
-block-FP8 pair (``weight`` + ``weight_scale_inv``) or an MXFP8 pair (``weight`` +
-``weight_scale``). A *packed* owner is anything a backend derived from it (held on
-``kv_b_proj`` under a name in ``PACKED_ATTRS``). Both can be released once the
-absorbed pair holds the weights; release swaps each tensor for an empty placeholder
-of the same dtype and trailing shape, keeping the parameter's attributes (weight
-loaders) so the loader can fill it again on reload.
+A *source* is every real tensor of the module that holds kv_b_proj's weights (a LoRA
+``base_layer`` unwrapped): its parameters and buffers, ``None`` entries skipped (vLLM
+registers ``bias`` as ``None``), plus any *packed owner* its kernel keeps (an attribute
+holding tensors, e.g. b12x's ``b12x_mxfp8_packed_weight``). Which tensors those are, and
+how they decode, is the kv_b_proj matrix (``vllm_mla.weights.forms``); this module holds
+what every form shares: a chunk reader, a fingerprint, and release.
+
+Release is a two-step transaction: ``prepare_release`` builds every placeholder and
+counts the bytes (it may fail, and changes nothing); ``ReleasePlan.commit`` only
+assigns (it cannot fail half-way). A released parameter keeps its object and
+attributes (weight loaders) with an empty tensor of the same dtype and trailing shape
+as its data, marked ``vllm_mla_released``, so vLLM's reload can fill it again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
-from vllm_mla.quant import fp8_block, mxfp8
+from vllm_mla.weights import faults
 
-SourceFormat = Literal["dense", "fp8-block", "mxfp8", "external"]
-
-FP8_DTYPES = (torch.float8_e4m3fn,)
-DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PACKED_ATTRS = ("vllm_mla_packed",)
+RELEASED_ATTR = "vllm_mla_released"  # marks a placeholder left by release()
+ChunkAxis = Literal["rows", "cols"]
 
 
 class SourceError(ValueError):
@@ -39,191 +42,144 @@ def owner_module(kv_b_proj: nn.Module) -> nn.Module:
     return kv_b_proj
 
 
-def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
-    value = module._parameters.get(name)
-    if value is None:
-        value = module._buffers.get(name)
-    return value
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters and buffers by name, ``None`` entries skipped."""
+    found = {n: t for n, t in module._parameters.items() if t is not None}
+    found.update((n, t) for n, t in module._buffers.items() if t is not None)
+    return found
+
+
+def owner_tensors(owner: object) -> list[torch.Tensor]:
+    """Tensors held by a packed owner: a tensor, a mapping, a sequence or a dataclass
+    of those, walked recursively (b12x's packed weights are nested dataclasses)."""
+    if isinstance(owner, torch.Tensor):
+        return [owner]
+    if isinstance(owner, dict):
+        children = list(owner.values())
+    elif isinstance(owner, list | tuple):
+        children = list(owner)
+    elif dataclasses.is_dataclass(owner) and not isinstance(owner, type):
+        children = [getattr(owner, f.name) for f in dataclasses.fields(owner)]
+    else:
+        return []
+    return [t for child in children for t in owner_tensors(child)]
+
+
+def packed_tensors(kv_b_proj: nn.Module, attr: str) -> list[torch.Tensor]:
+    """Tensors held by the packed owner ``attr`` of ``kv_b_proj`` (none when absent)."""
+    return owner_tensors(getattr(owner_module(kv_b_proj), attr, None))
+
+
+@dataclass(frozen=True)
+class ChunkReader:
+    """How a form produces pieces of the dense ``[N, K]`` weight.
+
+    ``axis="rows"``: ``read(a, b)`` is ``W[a:b]`` (``[b - a, K]``; a head group is a row
+    range). ``axis="cols"``: ``read(a, b)`` is ``W[:, a:b].T`` (``[b - a, N]``; what an
+    identity slice through the layer's own GEMM returns). ``unit_bytes`` bounds the
+    allocator bytes one row (or column) needs while in flight; None: not bounded by us.
+    Quantized reads return float32 (or the activation dtype for ``cols``) holding exactly
+    what a whole-tensor decode would hold, so chunked and whole results are identical.
+    """
+
+    axis: ChunkAxis
+    read: Callable[[int, int], torch.Tensor]
+    unit_bytes: int | None
 
 
 @dataclass
 class KVBSource:
-    """The checkpoint tensors of one kv_b_proj, in one of the supported formats.
+    """The source tensors of one kv_b_proj in one form of the matrix.
 
-    ``names[0]`` is the weight; for block FP8 and MXFP8 ``names[1]`` is its scale.
-    ``external`` sources (a quant method only its owner can decode) carry a
-    ``dequant`` callable returning the whole ``external_shape`` = ``[out, in]``
-    weight; they are materialized in one chunk, with no scratch bound.
+    ``names``: the module's real tensors (all of them are source: MQA-only serving
+    never calls kv_b_proj); ``packed``: packed-owner attributes present on it. ``dense``
+    is set for unquantized forms (the weight itself, which the pair may alias).
     """
 
-    fmt: SourceFormat
+    form: str
     module: nn.Module
+    shape: tuple[int, int]  # [out, in] = [N * (P + V), L] of the dequantized weight
+    reader: ChunkReader
     names: tuple[str, ...]
-    dequant: Callable[[], torch.Tensor] | None = None
-    external_shape: tuple[int, int] | None = None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return _tensor(self.module, self.names[0])
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(_tensor(self.module, n) for n in self.names)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``[out, in]`` of the dequantized weight."""
-        return self.external_shape or tuple(self.weight.shape)
+    packed: tuple[str, ...] = ()
+    dense: torch.Tensor | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
-        return self.weight.device
+        return next(iter(self.tensors())).device
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this source owns: module tensors, then packed owners'."""
+        table = module_tensors(self.module)
+        for name in self.names:
+            yield table[name]
+        for attr in self.packed:
+            yield from owner_tensors(getattr(self.module, attr, None))
 
     def fingerprint(self) -> tuple:
         """Changes whenever a source tensor is replaced or written in place."""
-        return tuple(
-            (n, t.data_ptr(), t._version, tuple(t.shape), t.dtype)
-            for n, t in zip(self.names, self.tensors, strict=True)
-        )
-
-    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of the weight, ``[stop - start, L]``.
-
-        Dense sources return a view in their own dtype (no copy); quantized ones
-        return an fp32 tensor holding exactly what a whole-tensor fp32 dequant
-        would hold for those rows, so chunked and whole results are bit-identical.
-        """
-        if self.fmt == "dense":
-            return self.weight[start:stop]
-        if self.fmt == "external":
-            full = self.dequant()
-            if tuple(full.shape) != self.shape:
-                raise SourceError(
-                    f"kv_b_proj dequantized to {tuple(full.shape)}, expected {self.shape}"
-                )
-            return full[start:stop]
-        scale = _tensor(self.module, self.names[1])
-        if self.fmt == "fp8-block":
-            packed = fp8_block.FP8BlockTensor(self.weight, scale)
-            return fp8_block.dequantize(packed, torch.float32, rows=slice(start, stop))
-        scales = scale
-        if scales.dtype != torch.uint8:
-            scales = scales.view(torch.uint8)
-        packed = mxfp8.MXFP8Tensor(self.weight, scales, axis=1)
-        return mxfp8.dequantize(packed.narrow(0, start, stop - start), torch.float32)
-
-    def scratch_bytes_per_row(self) -> int | None:
-        """Upper bound of allocator bytes one dequantized row needs while in flight.
-
-        Dense: 0 (views). External: None (unbounded). Quantized: the codecs widen
-        the values to fp32 and scale them in place (4 bytes per element), plus
-        gathered per-block scales and their indices (at most 12 bytes per 32
-        elements) and a little slack.
-        """
-        if self.fmt == "dense":
-            return 0
-        if self.fmt == "external":
-            return None  # the owner's dequant decides; not bounded by us
-        cols = self.shape[1]
-        return 4 * cols + 12 * -(-cols // mxfp8.BLOCK_SIZE) + 64
+        held = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in self.tensors())
+        return (*held, self.names, self.packed)
 
 
-def read_source(kv_b_proj: nn.Module) -> KVBSource | None:
-    """The source held by ``kv_b_proj``; None when it was released (empty placeholders).
-
-    Raises SourceError naming the tensors when the format is not one we read.
-    """
-    module = owner_module(kv_b_proj)
-    weight = _tensor(module, "weight")
-    if weight is None:
-        found = sorted({*module._parameters, *module._buffers})
-        raise SourceError(
-            f"kv_b_proj ({type(kv_b_proj).__name__}) has no 'weight' tensor; found {found}"
-        )
-    if weight.numel() == 0:
-        return None
-    if weight.dim() != 2:
-        raise SourceError(
-            f"kv_b_proj.weight must be 2-D [out, in], got shape {tuple(weight.shape)}"
-        )
-    if weight.dtype in DENSE_DTYPES:
-        return KVBSource("dense", module, ("weight",))
-    if weight.dtype not in FP8_DTYPES:
-        raise SourceError(
-            f"kv_b_proj.weight has dtype {weight.dtype}; expected one of "
-            f"{[*DENSE_DTYPES, *FP8_DTYPES]}"
-        )
-    out, cols = weight.shape
-    scale_inv = _tensor(module, "weight_scale_inv")
-    if scale_inv is not None:
-        want = (-(-out // 128), -(-cols // 128))
-        if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != want:
-            raise SourceError(
-                f"kv_b_proj.weight_scale_inv: expected float32 {want}, "
-                f"got {scale_inv.dtype} {tuple(scale_inv.shape)}"
-            )
-        return KVBSource("fp8-block", module, ("weight", "weight_scale_inv"))
-    scale = _tensor(module, "weight_scale")
-    if scale is not None:
-        want = (out, cols // mxfp8.BLOCK_SIZE)
-        if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu) or tuple(scale.shape) != want:
-            raise SourceError(
-                f"kv_b_proj.weight_scale (MXFP8): expected uint8 or float8_e8m0fnu {want}, "
-                f"got {scale.dtype} {tuple(scale.shape)}"
-            )
-        return KVBSource("mxfp8", module, ("weight", "weight_scale"))
-    raise SourceError(
-        "kv_b_proj.weight is float8_e4m3fn but neither weight_scale_inv (block FP8) "
-        "nor weight_scale (MXFP8) is present"
-    )
+def holds_weights(module: nn.Module, packed_attrs: tuple[str, ...] = ()) -> bool:
+    """False when every tensor is empty and no packed owner is present (released)."""
+    if any(t.numel() for t in module_tensors(module).values()):
+        return True
+    return any(getattr(module, a, None) is not None for a in packed_attrs)
 
 
-RELEASED_ATTR = "vllm_mla_released"  # marks a placeholder left by release()
-
-
-def _placeholder(old: torch.Tensor) -> torch.Tensor:
-    empty = torch.empty((0, *old.shape[1:]), dtype=old.dtype, device=old.device)
-    if isinstance(old, nn.Parameter):
-        new = nn.Parameter(empty, requires_grad=False)
-        new.__dict__.update(old.__dict__)  # keep weight_loader and friends for reload
-        setattr(new, RELEASED_ATTR, True)
-        return new
-    return empty
-
-
-def release(source: KVBSource, kv_b_proj: nn.Module) -> int:
-    """Swap the source tensors and any packed owner for empty placeholders.
-
-    Returns the storage bytes that were referenced (deduped); they are freed when
-    no one else holds them. The caller must drop ``source`` afterwards.
-    """
-    seen: dict[tuple, int] = {}
-    for name, tensor in zip(source.names, source.tensors, strict=True):
-        seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
-        table = (
-            source.module._parameters
-            if name in source.module._parameters
-            else source.module._buffers
-        )
-        table[name] = _placeholder(tensor)
-    for attr in PACKED_ATTRS:
-        for tensor in packed_tensors(kv_b_proj, attr):
-            seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
-        if getattr(kv_b_proj, attr, None) is not None:
-            setattr(kv_b_proj, attr, None)
-    return sum(seen.values())
-
-
-def packed_tensors(kv_b_proj: nn.Module, attr: str) -> list[torch.Tensor]:
-    """Tensors held by a packed owner: a tensor, a mapping or a sequence of tensors."""
-    owner = getattr(kv_b_proj, attr, None)
-    if owner is None:
-        return []
-    if isinstance(owner, torch.Tensor):
-        return [owner]
-    values = owner.values() if isinstance(owner, dict) else owner
-    return [t for t in values if isinstance(t, torch.Tensor)]
+def _empty_like(old: torch.Tensor) -> torch.Tensor:
+    shape = (0, *old.shape[1:]) if old.dim() else (0,)
+    return torch.empty(shape, dtype=old.dtype, device=old.device)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.untyped_storage().data_ptr())
+
+
+@dataclass
+class ReleasePlan:
+    """Empty placeholders for every non-empty source tensor, ready to swap in.
+
+    A parameter keeps its object (its class, ``weight_loader`` and other attributes,
+    which vLLM's reload needs) and gets the placeholder as its ``.data``, as vLLM's own
+    ``replace_parameter`` does; a buffer's table entry is replaced. ``commit`` only
+    assigns, so it cannot stop half-way.
+    """
+
+    module: nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    packed: tuple[str, ...]
+    bytes: int  # storage bytes referenced by the released tensors (deduped)
+
+    def commit(self) -> int:
+        for name, empty in self.params.items():
+            param = self.module._parameters[name]
+            param.data = empty
+            setattr(param, RELEASED_ATTR, True)
+        self.module._buffers.update(self.buffers)
+        for attr in self.packed:
+            setattr(self.module, attr, None)
+        return self.bytes
+
+
+def prepare_release(source: KVBSource) -> ReleasePlan:
+    """Everything release needs, built without touching the layer (may raise)."""
+    module = source.module
+    params, buffers, seen = {}, {}, {}
+    for name in source.names:
+        faults.site("release", name)
+        tensor = module_tensors(module)[name]
+        if tensor.numel() == 0:
+            continue  # holds nothing (e.g. a weight the kernel already emptied)
+        seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        table = params if name in module._parameters else buffers
+        table[name] = _empty_like(tensor)
+    for attr in source.packed:
+        faults.site("release", attr)
+        for tensor in owner_tensors(getattr(module, attr, None)):
+            seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+    return ReleasePlan(module, params, buffers, source.packed, sum(seen.values()))

@@ -4,19 +4,22 @@ Target: ``vllm.model_executor.layers.attention.mla_attention.MLAAttention
 .process_weights_after_loading(self, act_dtype)`` (vLLM 0.32, 0.33).
 Why: upstream keeps kv_b_proj's quantized source and a BF16 absorbed copy, allocated
 after dequant scratch (allocator holes), and never releases the source.
-How: the generic absorbed path runs ``vllm_mla.weights.post_load`` (pair allocated
-first, bounded chunks, release only when the backend's capability allows it and no
-dense MHA prefill calls kv_b_proj); the rest of upstream's tail (DCP query copy,
-default quant scales) runs as upstream does. A dense kv_b_proj already in the
-activation dtype that must stay is aliased as upstream does (no copy, no scratch:
-nothing to gain). Delegated untouched to the original: AMX and ROCm aiter BMM
-layers (they own their weights). Every call is recorded in
+How: kv_b_proj's form is looked up in the kv_b_proj matrix (``vllm_mla.weights.forms``:
+quant method x selected kernel -> the tensors its post-load left); a known form runs
+``vllm_mla.weights.post_load`` (pair allocated first, bounded chunks, release only when
+the backend's capability allows it and no dense MHA prefill calls kv_b_proj); the rest
+of upstream's tail (DCP query copy, default quant scales) runs as upstream does. A
+dense kv_b_proj already in the activation dtype that must stay is aliased as upstream
+does (no copy, no scratch: nothing to gain). Delegated untouched to the original: AMX
+and ROCm aiter BMM layers (they own their weights) and any kv_b_proj form the matrix
+does not know (named once per process in the log). Every call is recorded in
 ``vllm_mla.vllm.telemetry`` (layer name and action, or why delegated).
 Removal: when upstream adopts the same allocation order and capability-gated release.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -24,8 +27,11 @@ from torch import nn
 
 from vllm_mla.backends import capabilities_for, lifecycle_config
 from vllm_mla.vllm import telemetry
-from vllm_mla.weights import LifecycleConfig, post_load
-from vllm_mla.weights.sources import KVBSource, owner_module
+from vllm_mla.weights import LifecycleConfig, forms, post_load
+from vllm_mla.weights.sources import holds_weights, owner_module
+
+logger = logging.getLogger("vllm_mla")
+_logged_unknown: set[str] = set()  # unknown kv_b_proj forms already named in the log
 
 OWN_BMM_FLAGS = (
     "is_amx_bmm_enabled",
@@ -61,60 +67,21 @@ def layer_config(layer: nn.Module) -> LifecycleConfig:
     return config
 
 
-def _scale_name(module: nn.Module) -> str | None:
-    for name in ("weight_scale_inv", "weight_scale"):
-        scale = module._parameters.get(name)
-        if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.dim() == 2:
-            return name
-    return None
-
-
-def vllm_reader(act_dtype: torch.dtype) -> Callable[[nn.Module], KVBSource | None]:
-    """A source reader that knows vLLM's quant methods.
-
-    Unquantized -> dense rows; block FP8 (Fp8LinearMethod, not Marlin or DeepGEMM,
-    whose layouts differ) -> chunked block dequant; anything else -> vLLM's own
-    ``get_and_maybe_dequant_weights`` as one external chunk.
-    """
-
-    def read(kv_b_proj: nn.Module) -> KVBSource | None:
-        module = owner_module(kv_b_proj)
-        weight = module._parameters.get("weight")
-        if isinstance(weight, torch.Tensor) and weight.numel() == 0:
-            return None  # released
-        method = getattr(module, "quant_method", None)
-        kind = type(method).__name__
-        if method is None or kind == "UnquantizedLinearMethod":
-            return KVBSource("dense", module, ("weight",))
-        scale = _scale_name(module)
-        block = getattr(method, "block_quant", False) and not (
-            getattr(method, "use_marlin", False) or getattr(method, "use_deep_gemm", False)
-        )
-        block_128 = list(getattr(module, "weight_block_size", None) or ()) == [128, 128]
-        if kind == "Fp8LinearMethod" and block and block_128 and scale is not None:
-            return KVBSource("fp8-block", module, ("weight", scale))
-        from vllm.model_executor.layers.quantization.utils.quant_utils import (
-            get_and_maybe_dequant_weights,
-        )
-
-        names = tuple(module._parameters)
-        shape = (module.output_size_per_partition, module.input_size_per_partition)
-        return KVBSource(
-            "external",
-            module,
-            names,
-            dequant=lambda: get_and_maybe_dequant_weights(module, out_dtype=act_dtype),
-            external_shape=shape,
-        )
-
-    return read
-
-
 def delegate_reason(layer: nn.Module) -> str | None:
-    """Why this layer goes to upstream's post-load untouched (None: the lifecycle owns it)."""
+    """Why this layer goes to upstream's post-load untouched (None: the lifecycle owns it).
+
+    AMX and aiter layers own their weights; a kv_b_proj form the matrix does not know is
+    never guessed at. A released kv_b_proj (nothing left to detect) stays ours.
+    """
     for flag in OWN_BMM_FLAGS:
         if getattr(layer, flag, False):
             return flag
+    found, why = forms.detect(layer.kv_b_proj)
+    if found is None and holds_weights(owner_module(layer.kv_b_proj), forms.PACKED_ATTRS):
+        if why not in _logged_unknown:
+            _logged_unknown.add(why)
+            logger.warning("vllm-mla: %s; delegated to upstream's post-load untouched", why)
+        return why
     return None
 
 
@@ -153,7 +120,7 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
                 raise ValueError("DCP query replication is unsupported with q_pad_num_heads")
         # refresh: vLLM's reload writes new weights through .data, which no version
         # counter sees, so a present source is always re-materialized (in place).
-        report = post_load(self, act_dtype, config, reader=vllm_reader(act_dtype), refresh=True)
+        report = post_load(self, act_dtype, config, refresh=True)
         _upstream_tail(self)
         telemetry.record_post_load(name, report.action)
 

@@ -1,0 +1,37 @@
+"""A test-only fault seam for the absorbed-weight lifecycle.
+
+Every allocation, copy, dequantization chunk and release step of post-load and reload
+calls ``site(kind, name)`` first. With no injector installed (always, outside tests)
+that is one global read and a comparison. Tests install an injector with
+``inject(fn)``: ``fn(kind, name)`` may raise to simulate a failure at that point; it
+also lets them count and list the sites a run passes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+SITE_KINDS = ("alloc", "copy", "dequant", "release")
+
+Injector = Callable[[str, str], None]
+_injector: Injector | None = None
+
+
+def site(kind: str, name: str) -> None:
+    """A point where a real failure could happen (allocation, copy, decode, release)."""
+    if _injector is not None:
+        _injector(kind, name)
+
+
+@contextmanager
+def inject(fn: Injector) -> Iterator[None]:
+    """Install ``fn`` as the injector for the duration of the block (not re-entrant)."""
+    global _injector
+    if _injector is not None:
+        raise RuntimeError("a fault injector is already installed")
+    _injector = fn
+    try:
+        yield
+    finally:
+        _injector = None
