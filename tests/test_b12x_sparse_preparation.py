@@ -138,8 +138,9 @@ def test_caps_buckets_and_typed_errors():
         SparseMLACaps(4, 2, 8, block_size=32)
     with pytest.raises(ValueError, match="expected one of"):
         SparseMLACaps(4, 2, 8, kv_format="fp8")
-    with pytest.raises(TypeError, match="bf16 or fp16"):
-        SparseMLACaps(4, 2, 8, q_dtype=torch.float32)
+    with pytest.raises(TypeError, match="the op's"):  # the op takes bf16 and fp32 queries
+        SparseMLACaps(4, 2, 8, q_dtype=torch.float16)
+    assert SparseMLACaps(4, 2, 8, q_dtype=torch.float32).q_dtype == torch.float32  # CPU models
 
 
 def test_plan_allocates_nothing_and_holds_no_tensor():

@@ -127,3 +127,30 @@ def test_qualify_rejects_an_unknown_dtype():
 
     with pytest.raises(QualifyError, match="--dtype must be one of bfloat16, float32"):
         run_qualify(QualifyConfig(preset="deepseek-v2-lite", tp=1, layers=1, dtype="half"))
+
+
+def test_sparse_checkpoint_has_the_dsa_indexer_and_q_lora(tmp_path):
+    spec = TinyModelSpec(**{**SMALL.__dict__, "sparse": True, "index_topk": 8})
+    folder = make_model(tmp_path / "dsa", spec)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v32"
+    assert config["architectures"] == ["DeepseekV32ForCausalLM"]
+    assert (config["index_topk"], config["index_n_heads"], config["index_head_dim"]) == (8, 32, 128)
+    tensors = read(folder)
+    p = "model.layers.1.self_attn"
+    assert tensors[f"{p}.q_a_proj.weight"].shape == (128, 64)
+    assert tensors[f"{p}.q_b_proj.weight"].shape == (2 * 192, 128)
+    assert tensors[f"{p}.indexer.wq_b.weight"].shape == (32 * 128, 128)
+    assert tensors[f"{p}.indexer.wk.weight"].shape == (128, 64)
+    assert tensors[f"{p}.indexer.weights_proj.weight"].shape == (32, 64)
+    assert f"{p}.q_proj.weight" not in tensors
+    assert from_hf_config(folder).num_heads == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"index_head_dim": 64}, "index-head-dim must be 128"), ({"index_topk": 0}, "index-topk")],
+)
+def test_bad_sparse_specs_name_the_setting(change, message):
+    with pytest.raises(MakeModelError, match=message):
+        TinyModelSpec(sparse=True, **change)

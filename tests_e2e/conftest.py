@@ -45,20 +45,29 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def engine(models, tmp_path_factory) -> dict[str, dict]:
-    """{"off"|"on": the engine job's report}; both engines run side by side."""
-    out_dir = tmp_path_factory.mktemp("engine")
+def sparse_models(tmp_path_factory) -> dict[str, Path]:
+    """``first`` and ``second`` tiny DeepSeek-V3.2 (DSA) checkpoints."""
+    root = tmp_path_factory.mktemp("sparse-models")
+    return {
+        "first": make_model(root / "first", TinyModelSpec(seed=0, sparse=True)),
+        "second": make_model(root / "second", TinyModelSpec(seed=1, sparse=True)),
+    }
+
+
+def run_engine_jobs(jobs: dict[str, tuple[list[str], dict]], out_dir: Path) -> dict[str, dict]:
+    """Run ``engine_job.py ARGS`` per job side by side (each its own process, with extra
+    environment); {name: the job's report, plus its log}."""
     procs = {}
-    for name, env in RUNS.items():
+    for name, (args, extra_env) in jobs.items():
         log = open(out_dir / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         cmd = [
             sys.executable,
             str(HERE / "engine_job.py"),
-            str(models["first"]),
-            str(models["second"]),
+            *args[:2],
             str(out_dir / f"{name}.json"),
+            *args[2:],
         ]
-        env = {**os.environ, **env}
+        env = {**os.environ, **extra_env}
         # cwd: a source tree's *.egg-info would shadow the installed entry points
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=out_dir)
         procs[name] = (proc, log)
@@ -75,6 +84,14 @@ def engine(models, tmp_path_factory) -> dict[str, dict]:
         reports[name] = json.loads((out_dir / f"{name}.json").read_text())
         reports[name]["log"] = text
     return reports
+
+
+@pytest.fixture(scope="session")
+def engine(models, tmp_path_factory) -> dict[str, dict]:
+    """{"off"|"on": the engine job's report}; both engines run side by side."""
+    args = [str(models["first"]), str(models["second"])]
+    jobs = {name: (args, env) for name, env in RUNS.items()}
+    return run_engine_jobs(jobs, tmp_path_factory.mktemp("engine"))
 
 
 def hf_reference(model_dir: Path, prompt_ids: list[list[int]]) -> list[dict]:

@@ -1,8 +1,10 @@
 """One vLLM engine run, as its own process: generate, read the plugin's record, reload.
 
-Usage: python engine_job.py MODEL RELOAD_MODEL OUT.json. The plugin is on or off by
-the environment (``VLLM_MLA``); vLLM runs in this one process (no engine-core
-subprocess), fp32, eager, with the CPU rotary workaround and explicit KV bytes.
+Usage: python engine_job.py MODEL RELOAD_MODEL OUT.json [--sparse KV_CACHE_DTYPE]. The
+plugin is on or off by the environment (``VLLM_MLA``); vLLM runs in this one process (no
+engine-core subprocess), fp32, eager, with the CPU rotary workaround and explicit KV
+bytes. ``--sparse`` serves a DSA model through B12X_MLA_SPARSE (named in the Python API
+after ``vllm_mla.register()``) with that KV cache dtype, on 64-row pages.
 Everything read from the engine goes through ``LLM.apply_model`` / ``collective_rpc``.
 """
 
@@ -18,12 +20,30 @@ PROMPTS = [
     "Chond theastha plostdrio",
     "Sot murkdrair neandmork drork",
 ]
+# sparse runs: the second prompt is longer than the tiny DSA model's top-k (32), so the
+# indexer drops tokens from its attention
+SPARSE_PROMPTS = [
+    "Brai stou dra",
+    "Chond theastha plostdrio " * 8,
+    "Sot murkdrair neandmork drork",
+]
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
+SPARSE_BACKEND = "B12X_MLA_SPARSE"
 
 
-def engine_kwargs(model: str) -> dict:
+def engine_kwargs(model: str, sparse_kv_dtype: str | None = None) -> dict:
     """The settings every e2e engine uses (see REFERENCE section 8 for why)."""
+    if sparse_kv_dtype is not None:
+        return {
+            **engine_kwargs(model),
+            "attention_config": {"backend": SPARSE_BACKEND},
+            "kv_cache_dtype": sparse_kv_dtype,
+            "block_size": 64,
+            # vLLM keeps prefix caching on for MLA only on AMX hosts; off everywhere, so a
+            # reload is never answered from blocks cached under the old weights
+            "enable_prefix_caching": False,
+        }
     return {
         "model": model,
         "dtype": "float32",
@@ -39,12 +59,12 @@ def engine_kwargs(model: str) -> dict:
     }
 
 
-def _generate(llm) -> list[dict]:
+def _generate(llm, prompts: list[str]) -> list[dict]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS)
     results = []
-    for request in llm.generate(PROMPTS, params, use_tqdm=False):
+    for request in llm.generate(prompts, params, use_tqdm=False):
         out = request.outputs[0]
         results.append(
             {
@@ -79,25 +99,35 @@ def _engine_state(model) -> dict:
         "ledger": telemetry.ledger_by_layer(model),
         "backend": first.attn_backend.get_name(),
         "kv_b_dtype": str(first.kv_b_proj.weight.dtype),
+        "kv_format": getattr(first.impl, "kv_format", None),
+        "kv_cache_dtype": str(first.kv_cache.dtype) if hasattr(first, "kv_cache") else None,
+        "layers": sum(
+            1 for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "W_UK_T")
+        ),
     }
 
 
-def main(model: str, reload_model: str, out_path: str) -> None:
+def main(model: str, reload_model: str, out_path: str, sparse_kv_dtype: str | None = None) -> None:
     from vllm import LLM
 
+    prompts = PROMPTS if sparse_kv_dtype is None else SPARSE_PROMPTS
+    if sparse_kv_dtype is not None:
+        import vllm_mla
+
+        vllm_mla.register()  # the Python API validates the backend name before plugins load
     timings = {}
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(model))
+    llm = LLM(**engine_kwargs(model, sparse_kv_dtype))
     timings["load_s"] = time.perf_counter() - start
     report = {"pid": os.getpid(), "vllm_mla_env": os.environ.get("VLLM_MLA")}
     t = time.perf_counter()
-    report["first"] = _generate(llm)
+    report["first"] = _generate(llm, prompts)
     timings["generate_s"] = time.perf_counter() - t
     (report["state_first"],) = llm.apply_model(_engine_state)
     t = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": reload_model})
     timings["reload_s"] = time.perf_counter() - t
-    report["reloaded"] = _generate(llm)
+    report["reloaded"] = _generate(llm, prompts)
     (report["state_reloaded"],) = llm.apply_model(_engine_state)
     timings["total_s"] = time.perf_counter() - start
     report["timings"] = timings
@@ -107,4 +137,6 @@ def main(model: str, reload_model: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
-    main(*sys.argv[1:4])
+    args = sys.argv[1:]
+    sparse = args[args.index("--sparse") + 1] if "--sparse" in args else None
+    main(*args[:3], sparse_kv_dtype=sparse)

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from engine_job import engine_kwargs
 
@@ -50,9 +51,9 @@ def group_alive(pgid: int, grace_s: float = 10.0) -> bool:
         time.sleep(0.2)
 
 
-def server_command(model: str, port: int) -> list[str]:
-    kw = engine_kwargs(model)
-    return [
+def server_command(model: str, port: int, sparse_kv_dtype: str | None = None) -> list[str]:
+    kw = engine_kwargs(model, sparse_kv_dtype)
+    command = [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -66,14 +67,22 @@ def server_command(model: str, port: int) -> list[str]:
         f"--attention-backend={kw['attention_config']['backend']}",
         "--enforce-eager",
     ]
+    if sparse_kv_dtype is not None:
+        command += [
+            f"--kv-cache-dtype={kw['kv_cache_dtype']}",
+            f"--block-size={kw['block_size']}",
+            "--no-enable-prefix-caching",
+        ]
+    return command
 
 
-def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
+def serve_one_completion(model: Path, tmp_path: Path, sparse_kv_dtype: str | None = None) -> str:
+    """Start the server, ask for one completion, stop it cleanly; its log."""
     port = free_port()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            server_command(str(models["first"]), port),
+            server_command(str(model), port, sparse_kv_dtype),
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "VLLM_MLA": "1"},
@@ -92,7 +101,7 @@ def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
                 pass
             assert time.monotonic() < deadline, "server not healthy in time"
             time.sleep(0.5)
-        body = {"model": str(models["first"]), "prompt": "Brai stou dra", "max_tokens": 6}
+        body = {"model": str(model), "prompt": "Brai stou dra", "max_tokens": 6}
         reply = post(f"{base}/v1/completions", {**body, "temperature": 0})
         assert reply["choices"][0]["finish_reason"] in ("length", "stop")
         assert reply["usage"]["completion_tokens"] >= 1
@@ -107,6 +116,20 @@ def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
     log = log_path.read_text()
     assert code in (0, -signal.SIGTERM), f"exit code {code}"
     assert not group_alive(proc.pid), "server left processes behind"
+    return log
+
+
+def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
+    log = serve_one_completion(models["first"], tmp_path)
     # the plugin registered in the serving processes (front end and engine core)
     assert "vllm-mla 0.32" in log and "lifecycle: applied" in log
-    assert "registered B12X_MLA_SPARSE and CUSTOM" in log and "--attention-backend CUSTOM" in log
+    assert "registered B12X_MLA_SPARSE and CUSTOM" in log and "vllm_mla.register()" in log
+
+
+def test_openai_server_serves_a_dsa_model_through_b12x_mla_sparse(sparse_models, tmp_path):
+    """``--attention-backend B12X_MLA_SPARSE`` by name on the command line."""
+    log = serve_one_completion(sparse_models["first"], tmp_path, sparse_kv_dtype="fp8")
+    assert "sparse-cpu: applied" in log
+    # the engine core unpickles the config before it loads plugins: the name travels as CUSTOM
+    assert "B12X_MLA_SPARSE is carried in the config as CUSTOM" in log
+    assert "Sparse Attention is not supported on CPU" not in log

@@ -24,7 +24,10 @@ def test_installed_vllm_is_supported():
 
 def test_register_patches_the_lifecycle_target(registered):
     assert registered["sparse"].startswith("applied _canonicalize_sparse_mla_kv_cache_dtype")
-    assert {k: v for k, v in registered.items() if k != "sparse"} == {
+    assert registered["sparse-cpu"].startswith(  # this environment's platform is the CPU
+        "applied CpuPlatform.get_attn_backend_cls, CpuPlatform.check_and_update_config"
+    )
+    assert {k: v for k, v in registered.items() if not k.startswith("sparse")} == {
         "lifecycle": "applied MLAAttention.process_weights_after_loading, "
         "_copy_and_restore_kernel_tensors",
         "query": "applied MLAAttention._v_up_proj",
@@ -106,6 +109,27 @@ def test_unsupported_vllm_applies_nothing_and_warns_once(monkeypatch, caplog):
         patches.apply(frozenset({"lifecycle"}))
     assert first == {"lifecycle": "skipped: vLLM 0.99.0 unsupported"}
     assert caplog.text.count("not one of") == 1 and current() is STOCK
+
+
+def test_a_platform_bound_feature_is_skipped_elsewhere(monkeypatch):
+    monkeypatch.setattr(patches, "_platform", lambda: "cuda")
+    result = patches.apply(frozenset({"sparse-cpu"}))
+    assert result == {"sparse-cpu": "skipped: for cpu only (platform cuda)"}
+    from vllm.platforms import cpu
+
+    assert not hasattr(cpu.CpuPlatform.get_attn_backend_cls, patches.MARK)
+
+
+def test_classmethod_targets_stay_classmethods_and_revert(registered):
+    import inspect
+
+    from vllm.platforms import cpu
+
+    patched = inspect.getattr_static(cpu.CpuPlatform, "get_attn_backend_cls")
+    assert isinstance(patched, classmethod) and hasattr(patched.__func__, patches.MARK)
+    plugin.reset()
+    stock = inspect.getattr_static(cpu.CpuPlatform, "get_attn_backend_cls")
+    assert isinstance(stock, classmethod) and not hasattr(stock.__func__, patches.MARK)
 
 
 def test_registry_modules_docs_and_targets_agree():

@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     q.add_argument("--max-scratch-mib", type=float, default=8.0, help="dequant scratch bound")
     q.add_argument("--json", action="store_true", help="print the schema-1 JSON report only")
-    m = sub.add_parser("make-model", help="write a tiny DeepSeek-V2-style MLA model (no downloads)")
+    m = sub.add_parser(
+        "make-model", help="write a tiny DeepSeek-V2/V3.2-style MLA model (no downloads)"
+    )
     m.add_argument("path", help="folder to write (created; files in it are overwritten)")
     m.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     m.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -90,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fp32 kv_b_proj values that block FP8 represents exactly",
     )
+    m.add_argument(
+        "--sparse",
+        action="store_true",
+        help="DeepSeek-V3.2 (DSA) architecture: q LoRA and a lightning indexer per layer",
+    )
+    m.add_argument("--q-lora-rank", type=int, default=128, help="with --sparse (default 128)")
+    m.add_argument("--index-topk", type=int, default=32, help="with --sparse (default 32)")
+    m.add_argument("--index-heads", type=int, default=32, help="with --sparse (default 32)")
     return parser
 
 
@@ -200,10 +210,15 @@ def _make_model(args: argparse.Namespace) -> int:
         init_std=args.init_std,
         kv_b_format=args.kv_b_format,
         kv_b_exact=args.kv_b_exact,
+        sparse=args.sparse,
+        q_lora_rank=args.q_lora_rank,
+        index_topk=args.index_topk,
+        index_heads=args.index_heads,
     )
     folder = make_model(args.path, spec)
     size = sum(f.stat().st_size for f in folder.iterdir())
-    print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads")
+    kind = f", DSA top-{spec.index_topk} of {spec.index_heads} index heads" if spec.sparse else ""
+    print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads{kind}")
     return 0
 
 

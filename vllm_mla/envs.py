@@ -2,11 +2,13 @@
 
 ``VLLM_MLA`` (bool, default on): ``0`` makes the vLLM plugin apply nothing.
 
-``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query,sparse``): the plugin
+``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query,sparse,sparse-cpu``): the plugin
 features to apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load),
 ``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs it) and
-``sparse`` (registers the B12X_MLA_SPARSE attention backend and makes auto/fp8 KV
-caches resolve to fp8_ds_mla for it).
+``sparse`` (registers the B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve
+to fp8_ds_mla for it and keeps an explicit bfloat16 cache) and ``sparse-cpu`` (on a CPU
+platform only: lets DSA models select B12X_MLA_SPARSE, 64-row KV pages, and the CPU
+lightning indexer in ``vllm_mla.ops.sparse_indexer``).
 
 ``VLLM_MLA_SAFE_BMM`` (``auto`` | ``always`` | ``never``, default ``auto``): whether MLA's
 V up-projection runs through the safe BMM: ``auto`` on SM120/121 or when the backend's
@@ -32,7 +34,7 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in TRUE
 
 
-FEATURES = ("lifecycle", "query", "sparse")
+FEATURES = ("lifecycle", "query", "sparse", "sparse-cpu")
 
 
 def plugin_enabled() -> bool:

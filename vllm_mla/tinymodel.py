@@ -6,6 +6,12 @@ seeded synthetic corpus, so vLLM and transformers can both load it with no downl
 Weights are N(0, init_std) (norms 1); a large ``init_std`` keeps logits far from
 uniform, which end-to-end comparisons need to see real differences.
 
+With ``sparse=True`` the model is DeepSeek-V3.2-architecture (``deepseek_v32``, what
+GLM-5 and DeepSeek-V3.2 checkpoints are): q LoRA (``q_a_proj``, ``q_a_layernorm``,
+``q_b_proj``) and a DSA lightning indexer per layer (``indexer.wq_b``, ``wk``, ``k_norm``,
+``weights_proj``) selecting ``index_topk`` tokens; transformers' own DeepseekV32 classes
+load it.
+
 With ``kv_b_format="fp8-block"`` kv_b_proj is stored as DeepSeek block FP8 (e4m3
 ``weight`` + fp32 ``weight_scale_inv`` per 128x128) and every other layer stays
 fp32 (``modules_to_not_convert``); ``kv_b_exact=True`` instead stores fp32 values
@@ -51,6 +57,11 @@ class TinyModelSpec:
     kv_b_format: str = "fp32"
     kv_b_exact: bool = False
     max_position: int = 2048
+    sparse: bool = False  # DeepSeek-V3.2 (DSA) architecture
+    q_lora_rank: int = 128  # sparse only
+    index_topk: int = 32  # sparse only: tokens the indexer keeps per query
+    index_heads: int = 32  # sparse only; >= 32 keeps ReLU ties at 0 from deciding top-k
+    index_head_dim: int = 128  # sparse only (vLLM's indexer is written for 128)
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "hidden", "intermediate"):
@@ -60,6 +71,14 @@ class TinyModelSpec:
             raise MakeModelError(f"vocab must be >= 300 (256 bytes + specials), got {self.vocab}")
         if not self.init_std > 0:
             raise MakeModelError(f"--init-std must be > 0, got {self.init_std}")
+        if self.sparse:
+            for name in ("q_lora_rank", "index_topk", "index_heads"):
+                if getattr(self, name) < 1:
+                    raise MakeModelError(f"--{name.replace('_', '-')} must be >= 1")
+            if self.index_head_dim != 128:
+                raise MakeModelError(
+                    f"--index-head-dim must be 128 (vLLM's indexer), got {self.index_head_dim}"
+                )
         if self.kv_b_format not in KV_B_FORMATS:
             raise MakeModelError(
                 f"kv_b format must be one of {KV_B_FORMATS}, got {self.kv_b_format!r}"
@@ -102,6 +121,18 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    if spec.sparse:
+        config |= {
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "model_type": "deepseek_v32",
+            "q_lora_rank": spec.q_lora_rank,
+            "index_topk": spec.index_topk,
+            "index_n_heads": spec.index_heads,
+            "index_head_dim": spec.index_head_dim,
+            "n_group": 1,
+            "topk_group": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
     if spec.kv_b_format == "fp8-block":
         config["quantization_config"] = {
             "quant_method": "fp8",
@@ -117,7 +148,10 @@ def _fp32_modules(spec: TinyModelSpec) -> list[str]:
     names = ["lm_head"]
     for i in range(spec.layers):
         p = f"model.layers.{i}"
-        names += [f"{p}.self_attn.{n}" for n in ("q_proj", "kv_a_proj_with_mqa", "o_proj")]
+        q = ("q_a_proj", "q_b_proj") if spec.sparse else ("q_proj",)
+        names += [f"{p}.self_attn.{n}" for n in (*q, "kv_a_proj_with_mqa", "o_proj")]
+        if spec.sparse:
+            names += [f"{p}.self_attn.indexer.{n}" for n in ("wq_b", "wk", "weights_proj")]
         names += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
     return names
 
@@ -136,10 +170,13 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
         kv_b = normal(h * (QK_NOPE + V_HEAD), KV_LORA_RANK)
         if spec.kv_b_exact or spec.kv_b_format == "fp8-block":
             kv_b = fp8_block.dequantize(fp8_block.quantize(kv_b), torch.float32)
+        if spec.sparse:
+            out |= _sparse_attention(spec, p, normal)
+        else:
+            out[f"{p}.self_attn.q_proj.weight"] = normal(h * (QK_NOPE + QK_ROPE), d)
         out |= {
             f"{p}.input_layernorm.weight": torch.ones(d),
             f"{p}.post_attention_layernorm.weight": torch.ones(d),
-            f"{p}.self_attn.q_proj.weight": normal(h * (QK_NOPE + QK_ROPE), d),
             f"{p}.self_attn.kv_a_proj_with_mqa.weight": normal(KV_LORA_RANK + QK_ROPE, d),
             f"{p}.self_attn.kv_a_layernorm.weight": torch.ones(KV_LORA_RANK),
             f"{p}.self_attn.kv_b_proj.weight": kv_b,
@@ -155,6 +192,22 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
     out["model.norm.weight"] = torch.ones(d)
     out["lm_head.weight"] = normal(vocab, d)
     return out
+
+
+def _sparse_attention(spec: TinyModelSpec, p: str, normal) -> dict[str, torch.Tensor]:
+    """q LoRA and the DSA indexer of one DeepSeek-V3.2 layer (transformers' names)."""
+    d, r, n, hd = spec.hidden, spec.q_lora_rank, spec.index_heads, spec.index_head_dim
+    a, ix = f"{p}.self_attn", f"{p}.self_attn.indexer"
+    return {
+        f"{a}.q_a_proj.weight": normal(r, d),
+        f"{a}.q_a_layernorm.weight": torch.ones(r),
+        f"{a}.q_b_proj.weight": normal(spec.heads * (QK_NOPE + QK_ROPE), r),
+        f"{ix}.wq_b.weight": normal(n * hd, r),
+        f"{ix}.wk.weight": normal(hd, d),
+        f"{ix}.k_norm.weight": torch.ones(hd),
+        f"{ix}.k_norm.bias": torch.zeros(hd),
+        f"{ix}.weights_proj.weight": normal(n, d),
+    }
 
 
 def _corpus(seed: int, words: int = 20000) -> list[str]:

@@ -45,6 +45,10 @@ def register() -> dict[str, str]:
         from vllm_mla.vllm.sparse import registration
 
         _result["sparse"] += "; " + registration.register()
+    if _result.get("sparse-cpu", "").startswith("applied"):
+        from vllm_mla.vllm.sparse import cpu
+
+        _result["sparse-cpu"] += "; " + cpu.register()
     for name in unknown:
         _result[name] = f"skipped: unknown feature (known: {', '.join(envs.FEATURES)})"
     summary = "; ".join(f"{k}: {v}" for k, v in sorted(_result.items())) or "no features"

@@ -18,6 +18,7 @@ from vllm_mla.memory import Ledger
 
 _post_load: list[tuple[str, str]] = []
 _query: Counter[str] = Counter()
+_sparse: Counter[str] = Counter()
 
 
 def record_post_load(layer_name: str, outcome: str) -> None:
@@ -30,15 +31,26 @@ def record_query(path: str) -> None:
     _query[path] += 1
 
 
+def record_sparse(event: str) -> None:
+    """One sparse-backend call (``forward_mqa:<impl>``, ``kv_write:<format>``, ``indexer:cpu``)."""
+    _sparse[event] += 1
+
+
 def snapshot() -> dict:
-    """This process's record: pid, post-loads in order, query-path counts."""
-    return {"pid": os.getpid(), "post_load": list(_post_load), "query": dict(_query)}
+    """This process's record: pid, post-loads in order, query-path and sparse counts."""
+    return {
+        "pid": os.getpid(),
+        "post_load": list(_post_load),
+        "query": dict(_query),
+        "sparse": dict(_sparse),
+    }
 
 
 def reset() -> None:
     """Forget everything recorded (tests)."""
     _post_load.clear()
     _query.clear()
+    _sparse.clear()
 
 
 def ledger_by_layer(model: nn.Module) -> dict[str, dict[str, int]]:

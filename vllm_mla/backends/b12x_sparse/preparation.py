@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vllm_mla.ops.sparse_mla.kv_format import SparseMLANotPrepared as KernelNotPrepared
+from vllm_mla.ops.sparse_mla.validate import Q_DTYPES
 
 LATENT = 512  # kv_lora_rank L: the value/output width
 ROPE = 64  # qk_rope_head_dim R
@@ -101,8 +102,10 @@ class SparseMLACaps:
             raise ValueError(
                 f"SparseMLACaps.block_size: expected a multiple of 64, got {self.block_size}"
             )
-        if self.q_dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"SparseMLACaps.q_dtype: expected bf16 or fp16, got {self.q_dtype}")
+        if self.q_dtype not in Q_DTYPES:
+            raise TypeError(
+                f"SparseMLACaps.q_dtype: expected one of {Q_DTYPES} (the op's), got {self.q_dtype}"
+            )
         bad = [t for t in self.token_buckets if not 1 <= t <= self.max_tokens]
         if bad:
             raise ValueError(

@@ -69,13 +69,18 @@ class TopkSelection:
 
 
 def logical_to_physical(
-    req_id: torch.Tensor, block_table: torch.Tensor, topk: torch.Tensor, block_size: int
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    topk: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of vLLM's ``triton_convert_req_index_to_global_index``.
 
     ``out[t, k] = block_table[req_id[t], topk[t, k] // block_size] * block_size
     + topk[t, k] % block_size``; -1 where ``topk`` is negative or its block is past the
-    table. Physical row ``r`` is ``cache[r // block_size, r % block_size]``.
+    table. Physical row ``r`` is ``cache[r // block_size, r % block_size]``. With ``out``
+    (int32, ``topk``'s shape) the rows are written there and ``out`` is returned.
     """
     if topk.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise TypeError(f"topk, block_table: expected int32, got {topk.dtype}, {block_table.dtype}")
@@ -87,4 +92,7 @@ def logical_to_physical(
     rows = req_id.long()[:, None].expand_as(block)
     base = block_table.long()[rows, block.clamp(0, block_table.shape[1] - 1)]
     physical = base * block_size + logical.remainder(block_size)
-    return torch.where(valid, physical, -1).to(torch.int32)
+    rows = torch.where(valid, physical, -1).to(torch.int32)
+    if out is None:
+        return rows
+    return out.copy_(rows)

@@ -30,8 +30,39 @@ the two agree and that every target exists in the installed vLLM):
     why: upstream maps auto/fp8 to fp8_ds_mla only for its own sparse backends, by name
     removal: when upstream canonicalises by a backend attribute instead of by name
 
+``dsv32_bf16_cache`` (feature ``sparse``, vLLM 0.32 and 0.33)
+    target: ``vllm.model_executor.models.config.DeepseekV32ForCausalLM``
+    ``.verify_and_update_config``
+    why: it turns an explicit ``bfloat16`` KV cache into ``auto`` for DSA checkpoints
+    removal: when upstream keeps an explicit bfloat16 cache dtype
+
+``sparse_backend_portable`` (feature ``sparse``, vLLM 0.32 and 0.33)
+    target: ``vllm.config.vllm.VllmConfig.try_verify_and_update_config``
+    why: a process that unpickles the config before loading plugins cannot resolve the
+    plugin-made B12X_MLA_SPARSE enum member
+    removal: when vLLM loads general plugins before it builds or unpickles configs
+
+``cpu_sparse_backend`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+    target: ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``
+    why: it refuses every sparse model ("Sparse Attention is not supported on CPU.")
+    removal: when the CPU platform lets a selected out-of-tree sparse backend through
+
+``cpu_sparse_block_size`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+    target: ``vllm.platforms.cpu.CpuPlatform.check_and_update_config``
+    why: it forces block_size 16 (or 128 on AMX) for MLA; the backend and vLLM's DSA
+    indexer cache read 64-row pages
+    removal: when the CPU platform asks the selected backend for its block size
+
+``cpu_indexer_query_quant`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+    target: ``vllm.model_executor.models.deepseek_v2.per_token_group_quant_fp8``
+    why: off CUDA/XPU it needs Triton, which vLLM CPU runs without
+    removal: when vLLM ships a CPU per_token_group_fp8_quant
+
 The ``sparse`` feature also registers the ``B12X_MLA_SPARSE`` backend (and ``CUSTOM``)
-through ``vllm_mla.vllm.sparse.registration``; that is vLLM's registry API, not a patch.
+through ``vllm_mla.vllm.sparse.registration``, and ``sparse-cpu`` registers the CPU DSA
+indexer (``SparseAttnIndexer.register_oot``) and a torch stand-in for the indexer
+metadata builder's Triton kernel (``vllm.triton_utils.dispatcher.register_kernels``)
+through ``vllm_mla.vllm.sparse.cpu``; those are vLLM's extension APIs, not patches.
 
 Rules: a patch applies only if its target exists with the expected parameters;
 a feature's patches apply all or none; an unsupported vLLM version applies
@@ -67,6 +98,7 @@ class Patch:
     removal: str
     factory: str  # "module:function" returning the replacement given the original
     requires: tuple[str, ...] = ()  # other names the replacement uses from ``module``
+    platforms: tuple[str, ...] = ()  # vLLM device types it applies on (empty: all)
 
     def build(self, original: Callable) -> Callable:
         mod, func = self.factory.split(":")
@@ -140,6 +172,81 @@ PATCHES: tuple[Patch, ...] = (
         removal="when upstream canonicalises by a backend attribute instead of by name",
         factory="vllm_mla.vllm.patches.sparse_kv_cache_dtype:make_canonicalize",
     ),
+    Patch(
+        name="dsv32_bf16_cache",
+        feature="sparse",
+        module="vllm.model_executor.models.config",
+        qualname="DeepseekV32ForCausalLM.verify_and_update_config",
+        params=("cls", "vllm_config"),
+        versions=SUPPORTED_VLLM,
+        why="it turns an explicit bfloat16 KV cache into auto for DSA checkpoints (fp32 on "
+        "an fp32 model)",
+        how="the original runs; with B12X_MLA_SPARSE selected a bfloat16 request is put back",
+        removal="when upstream keeps an explicit bfloat16 cache dtype",
+        factory="vllm_mla.vllm.patches.dsv32_bf16_cache:make_verify_and_update_config",
+    ),
+    Patch(
+        name="sparse_backend_portable",
+        feature="sparse",
+        module="vllm.config.vllm",
+        qualname="VllmConfig.try_verify_and_update_config",
+        params=("self",),
+        versions=SUPPORTED_VLLM,
+        why="processes that unpickle the config before loading plugins cannot resolve the "
+        "plugin-made B12X_MLA_SPARSE enum member",
+        how="after the original, a named B12X_MLA_SPARSE becomes CUSTOM when CUSTOM is "
+        "registered to the same class",
+        removal="when vLLM loads general plugins before it builds or unpickles configs",
+        factory="vllm_mla.vllm.patches.sparse_backend_portable:make_try_verify_and_update_config",
+    ),
+    Patch(
+        name="cpu_sparse_backend",
+        feature="sparse-cpu",
+        module="vllm.platforms.cpu",
+        qualname="CpuPlatform.get_attn_backend_cls",
+        params=("cls", "selected_backend", "attn_selector_config", "num_heads"),
+        versions=SUPPORTED_VLLM,
+        why="the CPU platform refuses every sparse model before looking at the selection",
+        how="sparse + B12X_MLA_SPARSE selected -> its class path; everything else: original",
+        removal="when the CPU platform lets a selected out-of-tree sparse backend through",
+        factory="vllm_mla.vllm.patches.cpu_sparse_backend:make_get_attn_backend_cls",
+        platforms=("cpu",),
+    ),
+    Patch(
+        name="cpu_sparse_block_size",
+        feature="sparse-cpu",
+        module="vllm.platforms.cpu",
+        qualname="CpuPlatform.check_and_update_config",
+        params=("cls", "vllm_config"),
+        versions=SUPPORTED_VLLM,
+        why="MLA on CPU gets block_size 16 (128 on AMX); 64-row pages are needed",
+        how="after the original, a DSA model with B12X_MLA_SPARSE gets block_size 64",
+        removal="when the CPU platform asks the selected backend for its block size",
+        factory="vllm_mla.vllm.patches.cpu_sparse_block_size:make_check_and_update_config",
+        platforms=("cpu",),
+    ),
+    Patch(
+        name="cpu_indexer_query_quant",
+        feature="sparse-cpu",
+        module="vllm.model_executor.models.deepseek_v2",
+        qualname="per_token_group_quant_fp8",
+        params=(
+            "x",
+            "group_size",
+            "eps",
+            "dtype",
+            "column_major_scales",
+            "tma_aligned_scales",
+            "out_q",
+            "use_ue8m0",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="the DSA indexer's query quantization needs Triton off CUDA/XPU",
+        how="CPU tensors go through vllm_mla.ops.sparse_indexer.quantize_rows (same rule)",
+        removal="when vLLM ships a CPU per_token_group_fp8_quant",
+        factory="vllm_mla.vllm.patches.cpu_indexer_query_quant:make_per_token_group_quant_fp8",
+        platforms=("cpu",),
+    ),
 )
 
 _applied: dict[str, tuple[object, str, Callable]] = {}
@@ -150,8 +257,17 @@ class TargetMissing(LookupError):
     """A patch target is absent or has another signature in the installed vLLM."""
 
 
+def _function(descriptor: object) -> object:
+    """The plain function behind a class attribute (a classmethod's ``__func__``)."""
+    return descriptor.__func__ if isinstance(descriptor, classmethod) else descriptor
+
+
 def resolve(patch: Patch) -> tuple[object, str, Callable]:
-    """(owner, attribute, current function) of ``patch``'s target, or TargetMissing."""
+    """(owner, attribute, current attribute) of ``patch``'s target, or TargetMissing.
+
+    The attribute may be a function or a classmethod; its signature (``cls`` first for a
+    classmethod) must be ``patch.params``.
+    """
     try:
         owner = importlib.import_module(patch.module)
     except ImportError as exc:
@@ -165,15 +281,24 @@ def resolve(patch: Patch) -> tuple[object, str, Callable]:
         if owner is None:
             raise TargetMissing(f"{patch.module}.{patch.qualname}: no {part}")
     current = inspect.getattr_static(owner, attr, None)
-    if not callable(current):
+    func = _function(current)
+    if not callable(func):
         raise TargetMissing(f"{patch.module}.{patch.qualname} does not exist")
-    original = getattr(current, "__wrapped__", current) if hasattr(current, MARK) else current
+    original = getattr(func, "__wrapped__", func) if hasattr(func, MARK) else func
     params = tuple(inspect.signature(original).parameters)
     if params != patch.params:
         raise TargetMissing(
             f"{patch.module}.{patch.qualname}: expected parameters {patch.params}, got {params}"
         )
     return owner, attr, current
+
+
+def _platform() -> str | None:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return getattr(current_platform, "device_type", None)
 
 
 def vllm_version() -> str | None:
@@ -211,6 +336,11 @@ def apply(features: frozenset[str]) -> dict[str, str]:
             results[feature] = f"skipped: {', '.join(untested)} not written for vLLM {minor}"
             logger.warning("vllm-mla: feature %s not applied: %s", feature, results[feature])
             continue
+        platform = _platform()
+        elsewhere = sorted({q for p in patches for q in p.platforms if platform not in p.platforms})
+        if elsewhere:
+            results[feature] = f"skipped: for {', '.join(elsewhere)} only (platform {platform})"
+            continue
         try:
             targets = [(p, *resolve(p)) for p in patches]
         except TargetMissing as exc:
@@ -218,9 +348,13 @@ def apply(features: frozenset[str]) -> dict[str, str]:
             results[feature] = f"skipped: {exc}"
             continue
         for patch, owner, attr, current in targets:
-            if hasattr(current, MARK):  # already ours: idempotent
+            func = _function(current)
+            if hasattr(func, MARK):  # already ours: idempotent
                 continue
-            setattr(owner, attr, patch.build(current))
+            replacement = patch.build(func)
+            if isinstance(current, classmethod):
+                replacement = classmethod(replacement)
+            setattr(owner, attr, replacement)
             _applied[patch.name] = (owner, attr, current)
         results[feature] = "applied " + ", ".join(p.qualname for p in patches)
     return results

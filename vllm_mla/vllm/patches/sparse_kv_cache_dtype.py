@@ -2,14 +2,15 @@
 
 Target: ``vllm.model_executor.layers.attention.mla_attention
 ._canonicalize_sparse_mla_kv_cache_dtype(attn_backend, kv_cache_dtype)`` (vLLM 0.33).
-Why: upstream maps ``auto``/``fp8`` to ``fp8_ds_mla`` only for its own sparse
-backends (FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE_SM120), matched by name; for any
-other backend ``fp8`` stays plain fp8, a layout the sparse kernels do not read, and
-``auto`` stays bf16.
+Why: upstream maps ``fp8`` to ``fp8_ds_mla`` only for its own sparse backends
+(FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE_SM120), matched by name; for any other backend
+``fp8`` stays plain fp8, a layout the sparse kernels do not read.
 How: for a backend named ``B12X_MLA_SPARSE`` (also when registered as CUSTOM: the
-name comes from the class), ``auto``, ``fp8`` and ``fp8_e4m3`` become ``fp8_ds_mla``,
-as upstream does for FLASHINFER_MLA_SPARSE_SM120; every other backend and dtype goes
-to the original untouched. ``bfloat16`` keeps the bf16 cache.
+name comes from the class), the quantized requests ``fp8`` and ``fp8_e4m3`` become
+``fp8_ds_mla``, as upstream does for FLASHMLA_SPARSE; ``auto`` stays ``auto`` (the model
+dtype: bf16 records for a bf16 model) and ``bfloat16`` stays bf16 (with the
+``dsv32_bf16_cache`` patch, which keeps vLLM from turning it into ``auto``). Every other
+backend and dtype goes to the original untouched.
 Removal: when upstream canonicalises by a backend attribute instead of by name.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 BACKEND = "B12X_MLA_SPARSE"
-TO_FP8_DS_MLA = ("auto", "fp8", "fp8_e4m3")
+TO_FP8_DS_MLA = ("fp8", "fp8_e4m3")
 
 
 def make_canonicalize(original: Callable) -> Callable:

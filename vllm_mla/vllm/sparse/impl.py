@@ -38,12 +38,14 @@ from vllm_mla.backends.b12x_sparse import (
     TopkSelection,
     logical_to_physical,
 )
-from vllm_mla.ops.sparse_mla import b12x_runner
+from vllm_mla.ops.sparse_mla import b12x_runner, pack_rows
+from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.sparse.backend import NAME
 
 logger = logging.getLogger("vllm_mla")
 
 KV_FORMAT_OF = {"fp8_ds_mla": "fp8_ds_mla", "auto": "bf16", "bfloat16": "bf16"}
+SERVED_MODEL_DTYPES = (torch.bfloat16, torch.float32)  # queries the op takes
 _sessions: dict[torch.device, PreparationSession] = {}
 _plans: dict[tuple[torch.device, SparseMLACaps], SparseMLAPlan] = {}
 
@@ -71,15 +73,32 @@ def reset_sessions() -> None:
     _sessions.clear()
 
 
-def kv_format_of(kv_cache_dtype: str) -> str:
-    """The kernel's cache format for a vLLM cache dtype, or a typed error saying why not."""
+def kv_format_of(kv_cache_dtype: str, model_dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel's cache format for a vLLM cache dtype, or a typed error saying why not.
+
+    ``auto`` is the model dtype, so it is served as bf16 records only for a bf16 model.
+    """
     if kv_cache_dtype not in KV_FORMAT_OF:
         raise NotImplementedError(
             f"{NAME}: kv_cache_dtype {kv_cache_dtype!r} is not served (expected one of "
             f"{sorted(KV_FORMAT_OF)}); fp8/fp8_e4m3 become fp8_ds_mla only with the "
             "vllm-mla 'sparse' feature on, else pass --kv-cache-dtype fp8_ds_mla"
         )
+    if kv_cache_dtype == "auto" and model_dtype != torch.bfloat16:
+        raise NotImplementedError(
+            f"{NAME}: kv_cache_dtype 'auto' is the model dtype ({model_dtype}), a cache this "
+            "backend does not read; pass --kv-cache-dtype fp8 (fp8_ds_mla records) or, where "
+            "vLLM allows a bf16 cache for this model dtype (vLLM 0.32), bfloat16"
+        )
     return KV_FORMAT_OF[kv_cache_dtype]
+
+
+def _model_dtype() -> torch.dtype:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    model = getattr(config, "model_config", None) if config is not None else None
+    return getattr(model, "dtype", torch.bfloat16) if model is not None else torch.bfloat16
 
 
 class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
@@ -137,7 +156,13 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         self.qk_nope_head_dim = mla_args.get("qk_nope_head_dim")
         self.v_head_dim = mla_args.get("v_head_dim")
         self.kv_b_proj = kv_b_proj  # the module; the lifecycle releases its sources
-        self.kv_format = kv_format_of(kv_cache_dtype)
+        self.model_dtype = _model_dtype()
+        if self.model_dtype not in SERVED_MODEL_DTYPES:
+            raise NotImplementedError(
+                f"{NAME}: model dtype {self.model_dtype} is not served; expected one of "
+                f"{SERVED_MODEL_DTYPES}"
+            )
+        self.kv_format = kv_format_of(kv_cache_dtype, self.model_dtype)
         # Before planning (process_weights_after_loading -> select_impl): with b12x
         # installed, SM120/121 gets its kernels; without it this is a no-op.
         b12x_runner.install()
@@ -192,6 +217,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             topk=int(topk),
             kv_format=self.kv_format,
             block_size=block_size,
+            q_dtype=self.model_dtype,
             token_buckets=buckets,
         )
 
@@ -209,6 +235,37 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     def reserve_workspace(self) -> None:
         """Profile run: grow vLLM's shared workspace to this plan's scratch."""
         self._scratch()
+
+    def prepare_for_batch(self, attn_metadata: Any) -> None:
+        """Called by vLLM 0.33's DSA model (``DeepseekV32Attention``) before its indexer,
+        once with None in the profile run, where ``forward_impl`` (and its
+        ``reserve_workspace``) never runs: reserve the scratch there, before the KV cache
+        is sized. Nothing to prepare per batch: selection is resolved in forward."""
+        if attn_metadata is None:
+            self.reserve_workspace()
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+        skip_scale: bool = False,
+    ) -> None:
+        """Write this step's latents into the cache records (slots < 0 skipped).
+
+        On CUDA vLLM's own ``concat_and_cache_mla`` (the base implementation); elsewhere
+        (vLLM CPU has no such op) the records are packed here with the kernels' torch
+        packers, ``fp8_ds_mla`` or bf16.
+        """
+        if kv_cache.is_cuda:
+            base = super().do_kv_cache_update
+            args = (kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+            return base(*args, skip_scale) if skip_scale else base(*args)
+        write_records(kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_format)
+        telemetry.record_sparse(f"kv_write:{self.kv_format}")
 
     def _scratch(self) -> torch.Tensor | None:
         from vllm.v1.worker.workspace import (
@@ -238,11 +295,13 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         num_tokens = q[0].shape[0]
         self.kv_binding.sync(kv_c_and_k_pe_cache)
         logical = self._selection.resolve(num_tokens)
+        rows = getattr(attn_metadata, "physical_indices", None)  # the builder's buffer
         physical = convert_to_physical(
             attn_metadata.req_id_per_token[:num_tokens],
             attn_metadata.block_table,
             logical,
             attn_metadata.block_size,
+            out=None if rows is None else rows[:num_tokens, : logical.shape[1]],
         )
         session = self.session
         if session is None or self.plan is None:  # post-load did not run (impl alone)
@@ -254,13 +313,39 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             kv_cache=kv_c_and_k_pe_cache,
             indices=physical,
         )
+        telemetry.record_sparse(f"forward_mqa:{self.plan.impl}")  # type: ignore[union-attr]
         return session.run(binding, softmax_scale=self.scale)
 
 
+def write_records(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_format: str,
+) -> None:
+    """Pack ``kv_c [T, 512]`` and ``k_pe [T, (1,) 64]`` into ``kv_cache`` at ``slot_mapping``."""
+    tokens = slot_mapping.shape[0]
+    keep = slot_mapping[:tokens] >= 0
+    if not bool(keep.any()):
+        return
+    slots = slot_mapping[:tokens][keep].long()
+    kv_c = kv_c[:tokens][keep]
+    k_pe = k_pe[:tokens].reshape(tokens, -1)[keep]
+    records = pack_rows(kv_c, k_pe, kv_format)
+    block_size = kv_cache.shape[1]
+    kv_cache[slots // block_size, slots % block_size] = records.to(kv_cache.dtype)
+
+
 def convert_to_physical(
-    req_id: torch.Tensor, block_table: torch.Tensor, logical: torch.Tensor, block_size: int
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    logical: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logical top-k -> physical rows ``block * block_size + offset`` (-1 kept)."""
+    """Logical top-k -> physical rows ``block * block_size + offset`` (-1 kept), into
+    ``out`` when given (no allocation: the metadata builder owns the buffer)."""
     if logical.is_cuda:
         from vllm.v1.attention.backends.mla.sparse_utils import (
             triton_convert_req_index_to_global_index,
@@ -272,8 +357,9 @@ def convert_to_physical(
             logical,
             BLOCK_SIZE=block_size,
             NUM_TOPK_TOKENS=logical.shape[1],
+            out=out,
         )
-    return logical_to_physical(req_id, block_table, logical, block_size)
+    return logical_to_physical(req_id, block_table, logical, block_size, out=out)
 
 
 def _device_of(module: Any) -> torch.device:

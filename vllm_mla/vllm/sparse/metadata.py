@@ -3,8 +3,10 @@
 Subclasses ``AttentionMetadataBuilder`` directly (not ``SparseMLACommonMetadataBuilder``)
 so that it allocates no chunked-prefill workspace (~72 MiB) and no top-k mask
 workspace: every token goes through ``forward_mqa``, so ``prefill`` is always None.
-It owns one int32 buffer of ``max_num_batched_tokens`` (token -> request index) and
-calls ``_init_reorder_batch_threshold`` so vLLM reorders batches decode-first.
+It owns two int32 buffers: ``max_num_batched_tokens`` token -> request indices, and
+``[max_num_batched_tokens, topk]`` physical rows (each layer converts its logical top-k
+into it right before its kernel, so no step allocates them), and calls
+``_init_reorder_batch_threshold`` so vLLM reorders batches decode-first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True)
 class B12XMLASparseMetadata(SparseMLACommonMetadata):
-    """``SparseMLACommonMetadata`` with ``prefill`` always None (MQA-only)."""
+    """``SparseMLACommonMetadata`` with ``prefill`` always None (MQA-only), plus the
+    builder-owned ``[max_tokens, topk]`` int32 buffer each layer converts its top-k into."""
+
+    physical_indices: torch.Tensor | None = None
 
 
 class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadata]):
@@ -43,10 +48,10 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         hf = vllm_config.model_config.hf_text_config
         self.topk_tokens: int = int(hf.index_topk)
-        self.req_id_per_token_buffer = torch.empty(
-            (vllm_config.scheduler_config.max_num_batched_tokens,),
-            dtype=torch.int32,
-            device=device,
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.req_id_per_token_buffer = torch.empty((max_tokens,), dtype=torch.int32, device=device)
+        self.physical_indices_buffer = torch.empty(
+            (max_tokens, self.topk_tokens), dtype=torch.int32, device=device
         )
         # Decode-first order: short queries (and spec-decode drafts) form the front of
         # the batch; without this call vLLM does not reorder for this builder.
@@ -59,7 +64,7 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
         fast_build: bool = False,
     ) -> B12XMLASparseMetadata:
         cam = common_attn_metadata
-        req_id_per_token = cam.token_to_req_indices(self.req_id_per_token_buffer)
+        req_id_per_token = token_to_request(cam, self.req_id_per_token_buffer)
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             cam, decode_threshold=self.reorder_batch_threshold or 1
         )
@@ -80,7 +85,25 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
             num_decode_tokens=num_decode_tokens,
             decode_max_query_len=_decode_max_query_len(cam, num_decodes, num_prefills),
             prefill=None,
+            physical_indices=self.physical_indices_buffer,
         )
+
+
+def token_to_request(cam: CommonAttentionMetadata, buffer: torch.Tensor) -> torch.Tensor:
+    """Request index of every scheduled token, in ``buffer``. On CUDA vLLM's own kernel
+    (graph-safe, reads the device ``query_start_loc``); elsewhere from the CPU copy with
+    torch (vLLM's is Triton, which vLLM CPU runs without). Padding tokens map to 0."""
+    if buffer.is_cuda:
+        return cam.token_to_req_indices(buffer)
+    num_tokens = cam.num_actual_tokens
+    starts = cam.query_start_loc_cpu
+    lengths = (starts[1:] - starts[:-1]).long()
+    mapped = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    out = buffer[:num_tokens]
+    out.zero_()
+    count = min(num_tokens, mapped.numel())
+    out[:count] = mapped[:count].to(out.dtype)
+    return out
 
 
 def _decode_max_query_len(cam: CommonAttentionMetadata, num_decodes: int, prefills: int) -> int:

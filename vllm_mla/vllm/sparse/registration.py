@@ -13,8 +13,9 @@ from vllm_mla.vllm.sparse.backend import NAME
 
 CLASS_PATH = "vllm_mla.vllm.sparse.backend.B12XMLASparseBackend"
 FALLBACK_HINT = (
-    f"select with --attention-backend {NAME}; where a spawned worker cannot see the "
-    "new name (spawn, Ray, NUMA binding) use --attention-backend CUSTOM"
+    f"select with --attention-backend {NAME} (carried as CUSTOM to processes that unpickle "
+    "the config before loading plugins); in the Python API call vllm_mla.register() before "
+    "LLM(...), or pass attention_config={'backend': 'CUSTOM'}"
 )
 
 
@@ -52,3 +53,25 @@ def unregister_custom() -> None:
 
     if _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == CLASS_PATH:
         AttentionBackendEnum.CUSTOM.clear_override()
+
+
+def selects_ours(backend: object) -> bool:
+    """True when ``backend`` (an ``AttentionBackendEnum`` member, its name, or None) is
+    B12X_MLA_SPARSE, directly or as the CUSTOM slot registered to it."""
+    if backend is None:
+        return False
+    name = getattr(backend, "name", backend)
+    if name == NAME:
+        return True
+    if name != "CUSTOM":
+        return False
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+
+    return _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == CLASS_PATH
+
+
+def is_sparse_model(vllm_config: object) -> bool:
+    """True for a DSA (DeepSeek-V3.2 / GLM-5) model: its hf config has ``index_topk``."""
+    model_config = getattr(vllm_config, "model_config", None)
+    hf = getattr(model_config, "hf_text_config", None) if model_config is not None else None
+    return getattr(hf, "index_topk", None) is not None

@@ -1,0 +1,100 @@
+"""The plain-torch DSA lightning indexer: quantization, index-key cache, logits, top-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mla.ops import sparse_indexer as ix
+from vllm_mla.ops.sparse_indexer import IndexerError
+
+
+def test_rows_quantize_with_power_of_two_scales_that_fit():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 128, generator=gen) * torch.logspace(-3, 2, 7)[:, None, None]
+    values, scales = ix.quantize_rows(x, ue8m0=True)
+    assert scales.shape == (7, 3) and values.dtype == torch.float8_e4m3fn
+    assert bool((scales.view(torch.int32) & 0x807FFFFF == 0).all())  # positive powers of two
+    amax = x.abs().amax(-1)
+    assert bool((amax / scales <= 448).all()) and bool((amax / scales > 224).all())
+    _, plain = ix.quantize_rows(x, ue8m0=False)
+    assert torch.allclose(plain, amax / 448)
+    tiny = ix.quantize_rows(torch.zeros(2, 128))[1]  # the floor keeps zeros finite
+    assert torch.equal(tiny, torch.full((2,), 2.0**-22))  # 1e-4 / 448 -> next power of two
+    assert ix.quantize_rows(torch.zeros(1, 128), floor=1e-10)[1].item() < 1e-12
+
+
+def test_the_cache_holds_values_then_scales_per_page():
+    cache = torch.zeros(3, 4, ix.RECORD_BYTES, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(3, 128, generator=gen)
+    slots = torch.tensor([5, -1, 11])  # page 1 slot 1, skipped, page 2 slot 3
+    ix.insert_keys(cache, k, slots)
+    values, scales = ix.quantize_rows(k)
+    page = cache[1].reshape(-1)  # 4 * 132 bytes: 4 x 128 value bytes, then 4 fp32 scales
+    assert torch.equal(page[128:256], values[0].view(torch.uint8))
+    assert page[512 + 4 : 512 + 8].view(torch.float32).item() == scales[0].item()
+    assert int(cache[0].sum()) == 0  # the skipped row wrote nothing
+    got_v, got_s = ix.read_keys(cache, torch.tensor([5, 11]))
+    assert torch.equal(got_v.view(torch.uint8), values[[0, 2]].view(torch.uint8))
+    assert torch.equal(got_s, scales[[0, 2]])
+
+
+def test_the_cache_layout_is_checked_by_name():
+    with pytest.raises(IndexerError, match="index-key cache: expected uint8"):
+        ix.insert_keys(
+            torch.zeros(1, 4, 128, dtype=torch.uint8),
+            torch.zeros(1, 128),
+            torch.zeros(1, dtype=torch.long),
+        )
+    with pytest.raises(IndexerError, match=r"k: expected \[T=2, 128\]"):
+        ix.insert_keys(
+            torch.zeros(1, 4, 132, dtype=torch.uint8),
+            torch.zeros(1, 128),
+            torch.zeros(2, dtype=torch.long),
+        )
+
+
+def test_logits_are_relu_dots_weighted_over_heads_times_the_key_scale():
+    gen = torch.Generator().manual_seed(2)
+    q, w = torch.randn(2, 5, 128, generator=gen), torch.rand(2, 5, generator=gen)
+    k, ks = torch.randn(9, 128, generator=gen), torch.rand(9, generator=gen)
+    got = ix.logits(q, w, k, ks)
+    want = torch.zeros(2, 9)
+    for t in range(2):
+        for j in range(9):
+            want[t, j] = ks[j] * sum(w[t, h] * torch.relu(q[t, h] @ k[j]) for h in range(5))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_breaks_ties_toward_the_lower_position_and_pads():
+    scores = torch.tensor([[0.0, 2.0, 2.0, 0.0, 5.0, 0.0], [1.0, 3.0, 9.0, 9.0, 9.0, 9.0]])
+    got = ix.select_topk(scores, torch.tensor([6, 3]), topk=4)
+    assert got.tolist() == [[4, 1, 2, 0], [2, 1, 0, -1]]  # row 1: only 3 causal positions
+    assert ix.select_topk(scores, torch.tensor([2, 0]), topk=3).tolist() == [
+        [1, 0, -1],
+        [-1, -1, -1],
+    ]
+    wide = ix.select_topk(scores, torch.tensor([6, 6]), topk=10)  # K larger than the context
+    assert wide.shape == (2, 10) and wide[0, 6:].tolist() == [-1] * 4
+
+
+@pytest.mark.parametrize("topk", [1, 4, 16, 64])
+def test_index_topk_equals_a_direct_computation_across_pages(topk):
+    gen = torch.Generator().manual_seed(topk)
+    block, pages = 4, 6
+    cache = torch.zeros(pages, block, ix.RECORD_BYTES, dtype=torch.uint8)
+    keys = torch.randn(pages * block, 128, generator=gen)
+    ix.insert_keys(cache, keys, torch.arange(pages * block))
+    tables = torch.tensor([[5, 0, 3], [2, 4, 1]], dtype=torch.int32)  # interleaved pages
+    q = torch.randn(3, 32, 128, generator=gen)
+    w = torch.rand(3, 32, generator=gen)
+    req, lengths = torch.tensor([0, 1, 1]), torch.tensor([9, 3, 12])
+    got = ix.index_topk(q, w, cache, tables[req], lengths, topk)
+    values, scales = ix.read_keys(cache, torch.arange(pages * block))
+    for t in range(3):
+        rows = ix.request_rows(tables[req[t]], int(lengths[t]), block)
+        s = ix.logits(q[t : t + 1], w[t : t + 1], values[rows], scales[rows])[0]
+        order = sorted(range(len(s)), key=lambda j: (-float(s[j]), j))[:topk]
+        want = order + [-1] * (topk - len(order))
+        assert got[t].tolist() == want

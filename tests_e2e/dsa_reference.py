@@ -1,0 +1,135 @@
+"""The fp32 reference for the sparse (DSA) end-to-end runs: transformers' own DeepseekV32
+model, made to compute what vLLM computes where the two legitimately differ.
+
+transformers scores the lightning indexer in fp32 and keeps the latent KV in fp32;
+vLLM quantizes the indexer's queries and keys to e4m3 (power-of-two scales) before
+scoring, and attends over KV rounded to the cache's records. Both change which tokens
+are selected and every later logit, so a plain transformers run diverges at the first
+token of a prompt longer than top-k. This reference patches exactly those two points:
+
+- ``DeepseekV32Indexer.forward``: the same projections, norm and RoPE as transformers,
+  then vLLM's indexer arithmetic from ``vllm_mla.ops.sparse_indexer`` (the same functions
+  the plugin serves the CPU engine with): queries quantized per head (ue8m0, eps 1e-10),
+  keys per token (ue8m0, floor 1e-4), logits ``k_scale * sum_h w * relu(q . k)``, top-k
+  with ties toward the lower position;
+- the latent KV: ``kv_a_layernorm``'s output and the roped ``k_pe`` are passed through the
+  cache format (bf16 records, or ``fp8_ds_mla``'s e4m3 + per-128 scales and bf16 k_pe).
+
+Everything else (projections, RMSNorms, interleaved MLA RoPE, attention, MLP) is
+transformers' own fp32 code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from vllm_mla.ops import sparse_indexer
+from vllm_mla.ops.sparse_mla import pack_rows
+from vllm_mla.ops.sparse_mla.kv_format import unpack_records
+
+QUERY_EPS = 1e-10  # vLLM's per_token_group_quant_fp8 default
+
+
+def round_kv_c(kv_c: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """``kv_c [..., 512]`` as the cache gives it back (bf16, or e4m3 x per-128 scale)."""
+    flat = kv_c.reshape(-1, kv_c.shape[-1])
+    records = pack_rows(flat, torch.zeros(flat.shape[0], 64), kv_format)
+    return unpack_records(records, kv_format)[0].reshape(kv_c.shape).to(kv_c.dtype)
+
+
+def round_k_pe(k_pe: torch.Tensor) -> torch.Tensor:
+    """The roped ``k_pe`` as the cache gives it back: bf16 in both record formats."""
+    return k_pe.to(torch.bfloat16).to(k_pe.dtype)
+
+
+@contextlib.contextmanager
+def emulating_vllm(kv_format: str) -> Iterator[None]:
+    """Patch transformers' DeepseekV32 as described in the module docstring."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+
+    rope = m.apply_rotary_pos_emb
+    rope_interleave = m.apply_rotary_pos_emb_interleave
+    original_indexer = m.DeepseekV32Indexer.forward
+    original_attention = m.DeepseekV32Attention.forward
+
+    def indexer_forward(
+        self,
+        hidden_states,
+        q_resid,
+        position_embeddings,
+        attention_mask,
+        position_ids=None,
+        past_key_values=None,
+    ):
+        batch, seq, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        split = [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim]
+        q = self.wq_b(q_resid).view(batch, seq, self.n_heads, self.head_dim)
+        q_rot, q_pass = torch.split(q, split, -1)
+        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, split, -1)
+        q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], -1)
+        k = torch.cat([k_rot, k_pass], -1).squeeze(2)
+        q_fp8, q_scale = sparse_indexer.quantize_rows(q, ue8m0=True, floor=QUERY_EPS)
+        k_fp8, k_scale = sparse_indexer.quantize_rows(k, ue8m0=True)
+        weights = self.weights_proj(hidden_states).float()
+        weights = weights * q_scale * self.softmax_scale * self.n_heads**-0.5
+        lengths = torch.arange(1, seq + 1)  # whole causal prefix of every query
+        out = []
+        for b in range(batch):
+            scores = sparse_indexer.logits(q_fp8[b].float(), weights[b], k_fp8[b], k_scale[b])
+            picked = sparse_indexer.select_topk(scores, lengths, self.index_topk)
+            # transformers scatters the indices into a mask: pad with a selected position
+            out.append(torch.where(picked >= 0, picked, picked[:, :1]))
+        return torch.stack(out)
+
+    def attention_forward(self, *args, **kwargs):
+        norm = self.kv_a_layernorm
+
+        def rounded_rope(q, k, *a, **kw):
+            q, k = rope_interleave(q, k, *a, **kw)
+            return q, round_k_pe(k)
+
+        m.apply_rotary_pos_emb_interleave = rounded_rope
+        self.__dict__["kv_a_layernorm"] = lambda x: round_kv_c(norm(x), kv_format)
+        try:
+            return original_attention(self, *args, **kwargs)
+        finally:
+            m.apply_rotary_pos_emb_interleave = rope_interleave
+            del self.__dict__["kv_a_layernorm"]
+
+    m.DeepseekV32Indexer.forward = indexer_forward
+    m.DeepseekV32Attention.forward = attention_forward
+    try:
+        yield
+    finally:
+        m.DeepseekV32Indexer.forward = original_indexer
+        m.DeepseekV32Attention.forward = original_attention
+
+
+def reference(model_dir, prompt_ids: list[list[int]], max_tokens: int, kv_format: str | None):
+    """Greedy tokens and full-vocabulary log-probabilities at every generated position,
+    teacher-forced on its own greedy tokens; ``kv_format`` None: plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    scope = emulating_vllm(kv_format) if kv_format else contextlib.nullcontext()
+    results = []
+    with torch.no_grad(), scope:
+        for ids in prompt_ids:
+            tokens = list(ids)
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+            full = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
+            generated = tokens[len(ids) :]
+            results.append(
+                {"token_ids": generated, "logprobs": full[len(ids) - 1 : len(tokens) - 1]}
+            )
+    return results

@@ -1,0 +1,31 @@
+"""The DSA lightning indexer (DeepSeek-V3.2 / GLM-5): index-key cache, logits, top-k.
+
+``reference`` is the plain-torch oracle (numeric contract in its docstring); it serves
+the indexer on CPU and is what any faster kernel is checked against.
+"""
+
+from vllm_mla.ops.sparse_indexer.reference import (
+    INDEX_HEAD_DIM,
+    RECORD_BYTES,
+    IndexerError,
+    index_topk,
+    insert_keys,
+    logits,
+    quantize_rows,
+    read_keys,
+    request_rows,
+    select_topk,
+)
+
+__all__ = [
+    "INDEX_HEAD_DIM",
+    "RECORD_BYTES",
+    "IndexerError",
+    "index_topk",
+    "insert_keys",
+    "logits",
+    "quantize_rows",
+    "read_keys",
+    "request_rows",
+    "select_topk",
+]
