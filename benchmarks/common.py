@@ -50,3 +50,26 @@ def copy_bandwidth(device: torch.device | str) -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def graph_time_us(step, reps: int = 20) -> float:
+    """Median per-replay time (us) of a CUDA graph that runs ``step`` once (warmed up on a
+    side stream first, as capture requires)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]

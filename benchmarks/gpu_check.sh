@@ -6,6 +6,11 @@
 #   sparse (step timeouts 240 + 120 s): benchmarks/sparse_mla.py (kernel correctness, graph
 #          replay, 10k soak, roofline), then benchmarks/sparse_ownership.py (allocator census
 #          around plan/prepare/bind/release and a KV-pool rebind, graph replay after freeze).
+#   decode (step timeouts 120 + 90 + 300 s): build the CUDA op, memcheck the decode
+#          absorptions in every mode (benchmarks/decode_path.py --memcheck), then
+#          benchmarks/decode_path.py: bmm (BF16 pair) vs safe vs direct (MXFP8 views) at GLM-5
+#          TP4/TP8 and DeepSeek-V3 TP8 shapes, graph capture + replay, fused vs staged query,
+#          host overhead of the route.
 # The machine step runs for every part.
 #   run through the device tool:  bash benchmarks/gpu_check.sh [query|sparse|all]  (default
 #                                 all; writes under $OUT)
@@ -19,8 +24,8 @@ PY="${PYTHON:-python3}"
 step() { echo; echo "== $* ($(date +%T))"; }
 PART="${1:-all}"
 case "$PART" in
-  query|sparse|all) ;;
-  *) echo "usage: $0 [query|sparse|all]   (got '$PART')" >&2; exit 2 ;;
+  query|sparse|decode|all) ;;
+  *) echo "usage: $0 [query|sparse|decode|all]   (got '$PART')" >&2; exit 2 ;;
 esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
@@ -28,13 +33,17 @@ step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 
-if want query; then
+build_op() {
 step "build the CUDA op (sm_90 only, for time)"
 rm -f vllm_mla/_C*.so
 VLLM_MLA_CUDA_ARCHS="${VLLM_MLA_CUDA_ARCHS:-90}" timeout 120 "$PY" setup.py build_ext --inplace \
   > "$OUT/build.log" 2>&1
 echo "build exit $?"; tail -5 "$OUT/build.log"
 "$PY" -c "from vllm_mla.ops import query_bmm as q; print('cuda op loaded:', q.cuda_op_available(), q.cuda_op_error() or '')"
+}
+
+if want query; then
+build_op
 
 step "compute-sanitizer memcheck (tensors at the end of their allocations)"
 if command -v compute-sanitizer >/dev/null; then
@@ -80,4 +89,19 @@ step "sparse MLA ownership: allocator census, pool rebind, graph replay after fr
 timeout 120 "$PY" benchmarks/sparse_ownership.py --out "$OUT/sparse_ownership.json" 2>&1 \
   | tee "$OUT/sparse_ownership.txt"
 echo "sparse_ownership exit ${PIPESTATUS[0]}"
+fi
+
+if want decode; then
+want query || build_op
+step "compute-sanitizer memcheck: decode absorptions, every mode"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    "$PY" benchmarks/decode_path.py --memcheck --out "$OUT/decode_memcheck.json" \
+    > "$OUT/decode_memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|correctness" "$OUT/decode_memcheck.log" | tail -4
+fi
+step "decode path: bmm vs safe vs direct, fused vs staged query, host overhead"
+timeout 300 "$PY" benchmarks/decode_path.py --out "$OUT/decode_path.json" 2>&1 \
+  | tee "$OUT/decode_path.txt"
+echo "decode_path exit ${PIPESTATUS[0]}"
 fi

@@ -138,28 +138,6 @@ def check_graph_replay(m, h, p, fmt, out_dtype, device, gen) -> dict:
     return {"fused_max_abs_diff": fused_diff, "safe_rel_err": safe_err, "ok": ok}
 
 
-def graph_time_us(step, reps: int = 20) -> float:
-    """Median per-replay time (us) of a CUDA graph that runs ``step`` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
     q, weights, out, scale = make_case(m, h, p, fmt, out_dtype, device, gen)
     qn, qp_ = q[..., :p], q[..., p:]
@@ -177,8 +155,8 @@ def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
             mla_query_projection(qn, w, qp_, out, q_scale=scale)
 
     row = {
-        "staged_us": graph_time_us(staged) / LAYERS,
-        "fused_us": graph_time_us(fused) / LAYERS,
+        "staged_us": common.graph_time_us(staged) / LAYERS,
+        "fused_us": common.graph_time_us(fused) / LAYERS,
     }
     if fmt == "bf16":
         qt = qn.transpose(0, 1)
@@ -193,8 +171,8 @@ def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
             for w in weights:
                 torch.bmm(q_copy, w, out=lat)
 
-        row["safe_us"] = graph_time_us(safe) / LAYERS
-        row["bmm_contiguous_us"] = graph_time_us(bmm_contiguous) / LAYERS
+        row["safe_us"] = common.graph_time_us(safe) / LAYERS
+        row["bmm_contiguous_us"] = common.graph_time_us(bmm_contiguous) / LAYERS
         row["safe_vs_bmm"] = row["safe_us"] / row["bmm_contiguous_us"]
     w_bytes = h * p * L * (2 if fmt == "bf16" else 1) + (h * p * L // 32 if fmt == "mxfp8" else 0)
     io_bytes = m * h * (p + R) * 2 + m * h * (L + R) * out.element_size()

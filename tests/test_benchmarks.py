@@ -12,6 +12,14 @@ def test_query_path_smoke(tmp_path):
     assert {c["weights"] for c in report["checks"]} == {"bf16", "mxfp8"}
 
 
+def test_decode_path_smoke(tmp_path):
+    report = run_smoke("decode_path.py", tmp_path / "decode_path.json")
+    assert report["checks"] and all(c["ok"] for c in report["checks"])
+    assert all(c[mode]["pad"] for c in report["checks"] for mode in ("bmm", "safe", "direct"))
+    overhead = report["host_overhead"]
+    assert overhead["routed_us"] > 0 and overhead["plain_us"] > 0  # measured, not asserted
+
+
 def test_kv_b_forms_table_covers_every_row(tmp_path):
     import subprocess
     import sys

@@ -113,6 +113,21 @@ def test_other_formats(capsys, weights):
         assert report["reclaimed_bytes"] == 0
 
 
+@pytest.mark.parametrize("weights", ["mxfp8", "mxfp8-flashinfer", "mxfp8-b12x"])
+def test_direct_counts_the_pack_once_and_no_pair(capsys, weights):
+    code, report = run_json(capsys, *SMALL, "--weights", weights, "--absorbed", "direct")
+    _, bf16 = run_json(capsys, *SMALL, "--weights", weights)
+    assert code == 0 and report["absorbed"] == "direct" and report["checks"]["parity_ok"]
+    lean = report["lean"]
+    assert lean["source_bytes"] == 0 and lean["peak_transient_bytes"] < 1 << 20
+    # the pack (deepseek-v2-lite: P = V = 128, L = 512): one e4m3 byte per element plus
+    # one E8M0 byte per 32, for every layer
+    pack = report["layers"] * report["heads_per_rank"] * (128 + 128) * 512 * 33 // 32
+    assert lean["absorbed_bytes"] == pack
+    assert bf16["lean"]["absorbed_bytes"] == 2 * pack * 32 // 33  # the BF16 pair
+    assert report["checks"]["reload_pointers_stable"] and report["checks"]["reload_values_correct"]
+
+
 def test_mha_prefill_keeps_the_source_and_says_why(capsys):
     code, report = run_json(capsys, *SMALL, "--mha-prefill")
     assert code == 0
@@ -187,6 +202,8 @@ def test_moved_pointers_fail_the_reload_check(capsys, monkeypatch):
         (["--checkpoint", "/nonexistent/ckpt"], "checkpoint path does not exist"),
         (["--weights", "int4"], "invalid choice"),
         (["--max-scratch-mib", "0.001"], "max_scratch_bytes=1048 is below"),
+        (["--weights", "fp8-block", "--absorbed", "direct"], "--absorbed direct serves an MXFP8"),
+        (["--absorbed", "fp8"], "invalid choice"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(capsys, args, message):

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from vllm_mla.cli import main
 from vllm_mla.geometry import GeometryError, from_hf_config
 from vllm_mla.qualify import QualifyConfig, run_qualify
-from vllm_mla.quant import fp8_block
+from vllm_mla.quant import fp8_block, mxfp8
 from vllm_mla.tinymodel import MakeModelError, TinyModelSpec, make_model, weights
 
 SMALL = TinyModelSpec(layers=2, heads=2, hidden=64, intermediate=128, vocab=320)
@@ -73,6 +73,23 @@ def test_fp8_block_kv_b_proj_and_exact_twin(tmp_path):
     assert not torch.equal(plain[f"{key}.weight"], twin[f"{key}.weight"])
 
 
+def test_mxfp8_kv_b_proj_and_exact_twin(tmp_path):
+    spec = TinyModelSpec(**{**SMALL.__dict__, "kv_b_format": "mxfp8"})
+    folder = make_model(tmp_path / "mx", spec)
+    tensors = read(folder)
+    key = "model.layers.0.self_attn.kv_b_proj"
+    values, scales = tensors[f"{key}.weight"], tensors[f"{key}.weight_scale"]
+    assert values.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8
+    assert scales.shape == (values.shape[0], values.shape[1] // 32)
+    assert f"{key}.weight_scale_inv" not in tensors
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quant["format"] == "mxfp8-quantized"
+    assert quant["config_groups"]["group_0"]["targets"] == ["re:.*kv_b_proj$"]
+    twin = weights(TinyModelSpec(**{**SMALL.__dict__, "kv_b_exact": "mxfp8"}), 320)
+    decoded = mxfp8.dequantize(mxfp8.MXFP8Tensor(values, scales, 1), torch.float32)
+    assert torch.equal(twin[f"{key}.weight"], decoded)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -80,6 +97,7 @@ def test_fp8_block_kv_b_proj_and_exact_twin(tmp_path):
         ("init_std", 0.0, "--init-std must be > 0"),
         ("heads", 0, "--heads must be >= 1"),
         ("kv_b_format", "int4", "kv_b format must be one of"),
+        ("kv_b_exact", "int4", "kv_b exact grid must be one of"),
     ],
 )
 def test_bad_specs_name_the_setting(field, value, message):

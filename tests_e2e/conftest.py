@@ -54,6 +54,26 @@ def sparse_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def mxfp8_models(tmp_path_factory) -> dict[str, Path]:
+    """The dense pair again, kv_b_proj stored as MXFP8 (compressed-tensors)."""
+    root = tmp_path_factory.mktemp("mxfp8-models")
+    return {
+        name: make_model(root / name, TinyModelSpec(seed=seed, kv_b_format="mxfp8"))
+        for name, seed in (("first", 0), ("second", 1))
+    }
+
+
+@pytest.fixture(scope="session")
+def sparse_mxfp8_models(tmp_path_factory) -> dict[str, Path]:
+    """The DSA pair again, kv_b_proj stored as MXFP8 (compressed-tensors)."""
+    root = tmp_path_factory.mktemp("sparse-mxfp8-models")
+    return {
+        name: make_model(root / name, TinyModelSpec(seed=seed, sparse=True, kv_b_format="mxfp8"))
+        for name, seed in (("first", 0), ("second", 1))
+    }
+
+
 def run_engine_jobs(jobs: dict[str, tuple[list[str], dict]], out_dir: Path) -> dict[str, dict]:
     """Run ``engine_job.py ARGS`` per job side by side (each its own process, with extra
     environment); {name: the job's report, plus its log}."""

@@ -1,10 +1,13 @@
 """One vLLM engine run, as its own process: generate, read the plugin's record, reload.
 
-Usage: python engine_job.py MODEL RELOAD_MODEL OUT.json [--sparse KV_CACHE_DTYPE]. The
+Usage: python engine_job.py MODEL RELOAD_MODEL OUT.json [--sparse KV_CACHE_DTYPE]
+[--cpu-mxfp8]. The
 plugin is on or off by the environment (``VLLM_MLA``); vLLM runs in this one process (no
 engine-core subprocess), fp32, eager, with the CPU rotary workaround and explicit KV
 bytes. ``--sparse`` serves a DSA model through B12X_MLA_SPARSE (named in the Python API
-after ``vllm_mla.register()``) with that KV cache dtype, on 64-row pages.
+after ``vllm_mla.register()``) with that KV cache dtype, on 64-row pages. ``--cpu-mxfp8``
+registers vLLM's emulation MXFP8 kernel for the CPU platform in this process (what the
+plugin's ``cpu-mxfp8`` feature does), so an MXFP8 checkpoint loads with the plugin off.
 Everything read from the engine goes through ``LLM.apply_model`` / ``collective_rpc``.
 """
 
@@ -79,9 +82,15 @@ def _generate(llm, prompts: list[str]) -> list[dict]:
     return results
 
 
+def _held(t) -> list:
+    """What a pair member holds: itself, or the tensors a routed weight wraps."""
+    inner = getattr(t, "inner_tensors", None)
+    return inner() if callable(inner) else [t]
+
+
 def _pair_pointers(model) -> dict[str, list[int]]:
     return {
-        name: [m.W_UK_T.data_ptr(), m.W_UV.data_ptr()]
+        name: [x.data_ptr() for t in (m.W_UK_T, m.W_UV) for x in _held(t)]
         for name, m in model.named_modules()
         if hasattr(m, "W_UK_T") and hasattr(m, "kv_b_proj")
     }
@@ -99,6 +108,13 @@ def _engine_state(model) -> dict:
         "ledger": telemetry.ledger_by_layer(model),
         "backend": first.attn_backend.get_name(),
         "kv_b_dtype": str(first.kv_b_proj.weight.dtype),
+        "routed": sorted(
+            {
+                getattr(m.W_UK_T, "kind", "plain")
+                for m in model.modules()
+                if hasattr(m, "kv_b_proj") and hasattr(m, "W_UK_T")
+            }
+        ),
         "kv_format": getattr(first.impl, "kv_format", None),
         "kv_cache_dtype": str(first.kv_cache.dtype) if hasattr(first, "kv_cache") else None,
         "layers": sum(
@@ -107,8 +123,25 @@ def _engine_state(model) -> dict:
     }
 
 
-def main(model: str, reload_model: str, out_path: str, sparse_kv_dtype: str | None = None) -> None:
+def register_cpu_mxfp8() -> None:
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+    from vllm.platforms import PlatformEnum
+
+    register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
+
+
+def main(
+    model: str,
+    reload_model: str,
+    out_path: str,
+    sparse_kv_dtype: str | None = None,
+    cpu_mxfp8: bool = False,
+) -> None:
     from vllm import LLM
+
+    if cpu_mxfp8:
+        register_cpu_mxfp8()
 
     prompts = PROMPTS if sparse_kv_dtype is None else SPARSE_PROMPTS
     if sparse_kv_dtype is not None:
@@ -139,4 +172,4 @@ if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
     args = sys.argv[1:]
     sparse = args[args.index("--sparse") + 1] if "--sparse" in args else None
-    main(*args[:3], sparse_kv_dtype=sparse)
+    main(*args[:3], sparse_kv_dtype=sparse, cpu_mxfp8="--cpu-mxfp8" in args)

@@ -61,6 +61,7 @@ def test_plugin_is_off_when_disabled(engine):
     state = engine["off"]["state_first"]
     assert state["plugin"] == {}
     assert state["telemetry"]["post_load"] == [] and state["telemetry"]["query"] == {}
+    assert state["telemetry"]["absorbed"] == {} and state["routed"] == ["plain"]
     assert "disabled by VLLM_MLA=0" in engine["off"]["log"]
 
 
@@ -72,18 +73,23 @@ def test_patches_ran_inside_the_engine(engine, models):
     assert state["plugin"]["query"].startswith("applied")
     # the lifecycle ran once for every MLA layer at load...
     layers = num_layers(models["first"])
-    loads = state["telemetry"]["post_load"]
+    events = state["telemetry"]["post_load"]
+    loads = [(name, a) for name, a in events if a != "safe route bound"]
     assert len(loads) == layers and len({name for name, _ in loads}) == layers
+    # safe mode is forced: every layer's pair was routed through our op
+    assert [a for _, a in events if a == "safe route bound"] == ["safe route bound"] * layers
+    assert state["routed"] == ["dense"]
     assert {action for _, action in loads} <= LIFECYCLE_ACTIONS
     # ...fp32 kv_b_proj kept for CPU's dense prefill: the pair aliases it, as upstream's does
     assert state["kv_b_dtype"] == "torch.float32"
     assert {action for _, action in loads} == {"aliased"}
     # ...and once more for every layer on the engine's own reload_weights
-    assert len(report["state_reloaded"]["telemetry"]["post_load"]) == 2 * layers
-    # the V up-projection replacement served every decode step of every layer
-    decode_steps = max(len(r["token_ids"]) for r in report["first"]) - 1
-    query = state["telemetry"]["query"]
-    assert query == {"v_up_proj:contiguous_copy": decode_steps * layers}
+    assert len(report["state_reloaded"]["telemetry"]["post_load"]) == 2 * len(events)
+    # both absorptions of every decode step of every layer ran our op: the query bmm in
+    # forward_impl and the V up-projection (fp32 here, so the op's torch kernel)
+    n = (max(len(r["token_ids"]) for r in report["first"]) - 1) * layers
+    assert state["telemetry"]["query"] == {"v_up_proj:routed": n}
+    assert state["telemetry"]["absorbed"] == {"torch:W_UK_T": n, "torch:W_UV": n}
 
 
 @pytest.mark.parametrize("run", ["off", "on"])

@@ -32,7 +32,9 @@ PHASES = {"first": "first", "reloaded": "second"}
 @pytest.fixture(scope="session")
 def sparse_engine(sparse_models, tmp_path_factory) -> dict[str, dict]:
     args = [str(sparse_models["first"]), str(sparse_models["second"])]
-    jobs = {kv: ([*args, "--sparse", kv], {"VLLM_MLA": "1"}) for kv in KV_DTYPES}
+    # the bfloat16 engine also forces safe mode: every bmm of the pair through our op
+    env = {"bfloat16": {"VLLM_MLA_SAFE_BMM": "always"}, "fp8": {"VLLM_MLA_SAFE_BMM": "never"}}
+    jobs = {kv: ([*args, "--sparse", kv], {"VLLM_MLA": "1", **env[kv]}) for kv in KV_DTYPES}
     return run_engine_jobs(jobs, tmp_path_factory.mktemp("sparse-engine"))
 
 
@@ -100,6 +102,14 @@ def test_served_by_our_backend_our_indexer_and_our_cache_writer(sparse_engine, k
     assert counts["forward_mqa:reference"] == steps * layers
     assert counts[f"kv_write:{KV_DTYPES[kv]}"] == steps * layers
     assert counts["indexer:cpu"] == steps * layers
+    # safe mode forced on the bfloat16 engine: both absorptions of every step (prefill
+    # too: MQA-only) ran our op (fp32 here, so its torch kernel); off on the fp8 engine
+    absorbed = state["telemetry"]["absorbed"]
+    if kv == "bfloat16":
+        assert absorbed == {"torch:W_UK_T": steps * layers, "torch:W_UV": steps * layers}
+        assert state["routed"] == ["dense"]
+    else:
+        assert absorbed == {} and state["routed"] == ["plain"]
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
@@ -110,7 +120,8 @@ def test_kv_b_proj_released_and_reload_keeps_the_pair(sparse_engine, kv):
         assert ledger and all(row["source"] == 0 and row["packed"] == 0 for row in ledger.values())
         assert all(row["absorbed"] > 0 for row in ledger.values())
     assert report["state_first"]["pointers"] == report["state_reloaded"]["pointers"]
-    actions = [a for _, a in report["state_reloaded"]["telemetry"]["post_load"]]
+    events = report["state_reloaded"]["telemetry"]["post_load"]
+    actions = [a for _, a in events if a != "safe route bound"]
     layers = report["state_first"]["layers"]
     assert actions[:layers] == ["materialized"] * layers
     assert actions[layers:] == ["reloaded"] * layers

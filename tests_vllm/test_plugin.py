@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import pytest
 import vllm
 from vllm.model_executor.layers.attention import mla_attention
 
@@ -31,8 +32,26 @@ def test_register_patches_the_lifecycle_target(registered):
         "lifecycle": "applied MLAAttention.process_weights_after_loading, "
         "_copy_and_restore_kernel_tensors",
         "query": "applied MLAAttention._v_up_proj",
+        "cpu-mxfp8": "registered EmulationMxfp8LinearKernel for CPU (register_linear_kernel)",
     }
     assert current() is not STOCK and current().__wrapped__ is STOCK
+
+
+def test_cpu_mxfp8_makes_vllm_select_a_kernel_on_cpu(registered):
+    from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+
+    kernel = init_mxfp8_linear_kernel(weight_shape=(256, 512))
+    assert type(kernel) is EmulationMxfp8LinearKernel
+
+
+def test_without_cpu_mxfp8_vllm_cpu_has_no_mxfp8_kernel(monkeypatch):
+    import vllm.model_executor.kernels.linear as linear
+    from vllm.platforms import PlatformEnum
+
+    monkeypatch.setitem(linear._POSSIBLE_MXFP8_KERNELS, PlatformEnum.CPU, [])
+    with pytest.raises(ValueError, match="Failed to find a kernel"):
+        linear.init_mxfp8_linear_kernel(weight_shape=(256, 512))
 
 
 def test_register_twice_patches_once(registered):

@@ -24,7 +24,7 @@ from vllm_mla.qualify import (
     plain_progress,
     run_qualify,
 )
-from vllm_mla.tinymodel import KV_B_FORMATS, MakeModelError, TinyModelSpec, make_model
+from vllm_mla.tinymodel import EXACT_GRIDS, KV_B_FORMATS, MakeModelError, TinyModelSpec, make_model
 from vllm_mla.weights import LifecycleError, SourceError
 from vllm_mla.weights.checkpoint import CheckpointError
 from vllm_mla.weights.layer import WEIGHT_FORMATS
@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--checkpoint", help="safetensors file or folder holding kv_b_proj tensors")
     q.add_argument("--mha-prefill", action="store_true", help="a dense MHA prefill backend")
     q.add_argument("--no-release", action="store_true", help="keep the source after absorption")
+    q.add_argument(
+        "--absorbed",
+        default="bf16",
+        choices=("bf16", "direct"),
+        help="absorbed weights: the lean BF16 pair (default) or direct MXFP8 views of the pack",
+    )
     q.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     q.add_argument("--max-scratch-mib", type=float, default=8.0, help="dequant scratch bound")
     q.add_argument("--json", action="store_true", help="print the schema-1 JSON report only")
@@ -89,8 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-b-format", default="fp32", choices=KV_B_FORMATS, help="kv_b_proj storage")
     m.add_argument(
         "--kv-b-exact",
-        action="store_true",
-        help="fp32 kv_b_proj values that block FP8 represents exactly",
+        nargs="?",
+        const="fp8-block",
+        default=False,
+        choices=EXACT_GRIDS,
+        help="fp32 kv_b_proj values that this format represents exactly (default fp8-block)",
     )
     m.add_argument(
         "--sparse",
@@ -186,6 +195,7 @@ def _qualify(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         release=not args.no_release,
         mha_prefill=args.mha_prefill,
+        absorbed=args.absorbed,
         seed=args.seed,
         max_scratch_bytes=int(args.max_scratch_mib * MIB),
     )

@@ -2,18 +2,26 @@
 
 ``VLLM_MLA`` (bool, default on): ``0`` makes the vLLM plugin apply nothing.
 
-``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query,sparse,sparse-cpu``): the plugin
-features to apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load),
+``VLLM_MLA_FEATURES`` (comma list, default ``lifecycle,query,sparse,sparse-cpu,cpu-mxfp8``):
+the plugin features to apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load),
 ``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs it) and
 ``sparse`` (registers the B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve
 to fp8_ds_mla for it and keeps an explicit bfloat16 cache) and ``sparse-cpu`` (on a CPU
 platform only: lets DSA models select B12X_MLA_SPARSE, 64-row KV pages, and the CPU
-lightning indexer in ``vllm_mla.ops.sparse_indexer``).
+lightning indexer in ``vllm_mla.ops.sparse_indexer``) and ``cpu-mxfp8`` (on a CPU
+platform only: vLLM's emulation MXFP8 linear kernel registered for CPU, so MXFP8
+checkpoints load).
 
-``VLLM_MLA_SAFE_BMM`` (``auto`` | ``always`` | ``never``, default ``auto``): whether MLA's
-V up-projection runs through the safe BMM: ``auto`` on SM120/121 or when the backend's
-capability asks, ``always`` on any device (e.g. a GPU with the same cuBLAS over-read
-that is not gated yet), ``never`` leaves upstream's bmm everywhere.
+``VLLM_MLA_SAFE_BMM`` (``auto`` | ``always`` | ``never``, default ``auto``): whether every
+bmm on MLA's absorbed weights (W_UK_T in the query absorption, W_UV in the V
+up-projection, on every forward path) runs through the safe BMM: ``auto`` on SM120/121
+or when the backend's capability asks, ``always`` on any device (e.g. a GPU with the
+same cuBLAS over-read that is not gated yet), ``never`` leaves upstream's bmm everywhere.
+
+``VLLM_MLA_ABSORBED`` (``bf16`` | ``direct`` | ``auto``, default ``auto``): what the absorbed
+weights are. ``bf16``: the lean BF16 pair. ``direct``: MXFP8 views of kv_b_proj's pack,
+no pair (an MXFP8 kv_b_proj is required; start-up fails naming the reason otherwise).
+``auto``: ``direct`` only where the backend declares it at least as fast, else ``bf16``.
 
 ``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
 CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
@@ -34,7 +42,7 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in TRUE
 
 
-FEATURES = ("lifecycle", "query", "sparse", "sparse-cpu")
+FEATURES = ("lifecycle", "query", "sparse", "sparse-cpu", "cpu-mxfp8")
 
 
 def plugin_enabled() -> bool:
@@ -61,6 +69,17 @@ def safe_bmm_mode() -> str:
     mode = os.environ.get("VLLM_MLA_SAFE_BMM", "auto").strip().lower() or "auto"
     if mode not in SAFE_BMM_MODES:
         raise ValueError(f"VLLM_MLA_SAFE_BMM must be one of {SAFE_BMM_MODES}, got {mode!r}")
+    return mode
+
+
+ABSORBED_MODES = ("bf16", "direct", "auto")
+
+
+def absorbed_mode() -> str:
+    """``VLLM_MLA_ABSORBED``; any other value is a ValueError naming the variable."""
+    mode = os.environ.get("VLLM_MLA_ABSORBED", "auto").strip().lower() or "auto"
+    if mode not in ABSORBED_MODES:
+        raise ValueError(f"VLLM_MLA_ABSORBED must be one of {ABSORBED_MODES}, got {mode!r}")
     return mode
 
 

@@ -16,10 +16,12 @@ import torch
 
 from vllm_mla.geometry import MLAGeometry, RankGeometry, from_hf_config, preset
 from vllm_mla.memory import AllocationTrace, Ledger
+from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
-from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES, PAIR
+from vllm_mla.weights.absorb import ABSORBED_MODES, DEFAULT_MAX_SCRATCH_BYTES, PAIR
 from vllm_mla.weights.checkpoint import checkpoint_format, load_kv_b_proj
-from vllm_mla.weights.forms import FORM_NAMES, KVBForm, form
+from vllm_mla.weights.direct import DIRECT_DECODES
+from vllm_mla.weights.forms import FORM_NAMES, FORMS, KVBForm, form
 from vllm_mla.weights.layer import (
     FormTensors,
     MLALayer,
@@ -67,6 +69,7 @@ class QualifyConfig:
     mha_prefill: bool = False
     seed: int = 0
     max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES
+    absorbed: str = "bf16"  # bf16 pair, or direct: MXFP8 views of the pack
 
 
 class QualifyError(ValueError):
@@ -169,7 +172,21 @@ def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
-    return tuple(getattr(layer, n) for n in PAIR)
+    """The pair's values as plain tensors (direct mode: decoded from the views)."""
+    return tuple(_dense(getattr(layer, n)) for n in PAIR)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.dense_values() if isinstance(t, AbsorbedWeight) else t
+
+
+def _pointers(layer: MLALayer) -> list[int]:
+    """Addresses of what the pair holds (a routed weight: the tensors it wraps)."""
+    held = []
+    for name in PAIR:
+        t = getattr(layer, name)
+        held += t.inner_tensors() if isinstance(t, AbsorbedWeight) else [t]
+    return [t.data_ptr() for t in held]
 
 
 def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, progress) -> dict:
@@ -177,17 +194,22 @@ def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, pro
     stable = correct = True
     for i in progress("reload", len(lean)):
         layer = lean[i]
-        before = [t.data_ptr() for t in _pair(layer)]
+        before = _pointers(layer)
         new = _synthetic(geo, f, cfg.seed + 1, i, act)
         load_into(layer, new, device)
         post_load(layer, act, lifecycle)
-        stable &= before == [t.data_ptr() for t in _pair(layer)]
+        stable &= before == _pointers(layer)
         reference = build_layer(geo, new, device)
         baseline_post_load(reference, act)
         correct &= all(
             torch.equal(a, b) for a, b in zip(_pair(layer), _pair(reference), strict=True)
         )
     return {"stable": stable, "correct": correct}
+
+
+def direct_forms() -> list[str]:
+    """The ``--weights`` forms ``--absorbed direct`` serves."""
+    return [f.name for f in FORMS if f.decode in DIRECT_DECODES]
 
 
 def model_geometry(cfg: QualifyConfig) -> MLAGeometry:
@@ -208,10 +230,20 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
     if cfg.layers is not None and cfg.layers <= 0:
         raise QualifyError(f"--layers must be positive, got {cfg.layers}")
     f, per_layer = _sources(cfg, geo, act, progress)
+    if cfg.absorbed not in ABSORBED_MODES:
+        raise QualifyError(
+            f"--absorbed must be one of {', '.join(ABSORBED_MODES)}, got {cfg.absorbed!r}"
+        )
+    if cfg.absorbed == "direct" and f.decode not in DIRECT_DECODES:
+        raise QualifyError(
+            f"--absorbed direct serves an MXFP8 pack ({', '.join(direct_forms())}); "
+            f"--weights {f.name} is not one"
+        )
     lifecycle = LifecycleConfig(
         release_source=cfg.release and not cfg.mha_prefill,
         dense_mha_prefill=cfg.mha_prefill,
         max_scratch_bytes=cfg.max_scratch_bytes,
+        absorbed=cfg.absorbed,
     )
 
     _drop_cached_blocks(device)
@@ -260,6 +292,7 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         "real_heads": geo.real_heads,
         "layers": len(per_layer),
         "weights": f.name,
+        "absorbed": cfg.absorbed,
         "form": {
             "name": f.name,
             "family": f.family,

@@ -17,6 +17,11 @@ With ``kv_b_format="fp8-block"`` kv_b_proj is stored as DeepSeek block FP8 (e4m3
 fp32 (``modules_to_not_convert``); ``kv_b_exact=True`` instead stores fp32 values
 that block FP8 represents exactly, so a transformers fp32 run of the dense folder
 sees the same numbers as vLLM's FP8 layer.
+
+With ``kv_b_format="mxfp8"`` kv_b_proj is an MXFP8 compressed-tensors layer (e4m3
+``weight`` + uint8 E8M0 ``weight_scale`` per 32 input columns, ``format:
+mxfp8-quantized``, the only target), everything else fp32; ``kv_b_exact="mxfp8"``
+stores fp32 values on the MXFP8 grid for the fp32 twin.
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vllm_mla.quant import fp8_block
+from vllm_mla.quant import fp8_block, mxfp8
 
 KV_LORA_RANK = 512
 QK_ROPE = 64
 QK_NOPE = 128
 V_HEAD = 128
-KV_B_FORMATS = ("fp32", "fp8-block")
+KV_B_FORMATS = ("fp32", "fp8-block", "mxfp8")
+EXACT_GRIDS = ("fp8-block", "mxfp8")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 
 
@@ -55,7 +61,7 @@ class TinyModelSpec:
     seed: int = 0
     init_std: float = 0.15
     kv_b_format: str = "fp32"
-    kv_b_exact: bool = False
+    kv_b_exact: bool | str = False  # True / "fp8-block" / "mxfp8": fp32 values on that grid
     max_position: int = 2048
     sparse: bool = False  # DeepSeek-V3.2 (DSA) architecture
     q_lora_rank: int = 128  # sparse only
@@ -83,6 +89,19 @@ class TinyModelSpec:
             raise MakeModelError(
                 f"kv_b format must be one of {KV_B_FORMATS}, got {self.kv_b_format!r}"
             )
+        if self.kv_b_exact not in (False, True, *EXACT_GRIDS):
+            raise MakeModelError(
+                f"kv_b exact grid must be one of {EXACT_GRIDS}, got {self.kv_b_exact!r}"
+            )
+
+    @property
+    def kv_b_grid(self) -> str | None:
+        """The quantized grid kv_b_proj's values lie on (None: free fp32 values)."""
+        if self.kv_b_format != "fp32":
+            return self.kv_b_format
+        if self.kv_b_exact is True:
+            return "fp8-block"
+        return self.kv_b_exact or None
 
 
 def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
@@ -141,6 +160,27 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
             "weight_block_size": [128, 128],
             "modules_to_not_convert": _fp32_modules(spec),
         }
+    if spec.kv_b_format == "mxfp8":
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "group",
+            "group_size": mxfp8.BLOCK_SIZE,
+            "symmetric": True,
+            "dynamic": False,
+            "scale_dtype": "torch.uint8",
+        }
+        group = {
+            "targets": ["re:.*kv_b_proj$"],
+            "weights": weights,
+            "input_activations": dict(weights, dynamic=True),
+        }
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp8-quantized",
+            "config_groups": {"group_0": group},
+            "ignore": [],
+        }
     return config
 
 
@@ -168,8 +208,10 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
     for i in range(spec.layers):
         p = f"model.layers.{i}"
         kv_b = normal(h * (QK_NOPE + V_HEAD), KV_LORA_RANK)
-        if spec.kv_b_exact or spec.kv_b_format == "fp8-block":
+        if spec.kv_b_grid == "fp8-block":
             kv_b = fp8_block.dequantize(fp8_block.quantize(kv_b), torch.float32)
+        elif spec.kv_b_grid == "mxfp8":
+            kv_b = mxfp8.dequantize(mxfp8.quantize(kv_b, axis=-1), torch.float32)
         if spec.sparse:
             out |= _sparse_attention(spec, p, normal)
         else:
@@ -189,6 +231,10 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
             packed = fp8_block.quantize(kv_b)
             out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
             out[f"{p}.self_attn.kv_b_proj.weight_scale_inv"] = packed.scale_inv
+        elif spec.kv_b_format == "mxfp8":
+            packed = mxfp8.quantize(kv_b, axis=-1)
+            out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
+            out[f"{p}.self_attn.kv_b_proj.weight_scale"] = packed.scales
     out["model.norm.weight"] = torch.ones(d)
     out["lm_head.weight"] = normal(vocab, d)
     return out

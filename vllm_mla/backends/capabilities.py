@@ -24,6 +24,7 @@ class BackendCapabilities:
     needs_safe_query_bmm: bool = False
     supports_fused_query_projection: bool = False
     serves_extend_through_absorbed: bool = False
+    prefers_direct_absorbed: bool = False  # VLLM_MLA_ABSORBED=auto picks direct (measured)
 
     def __post_init__(self) -> None:
         if self.releases_absorbed_source and not self.serves_extend_through_absorbed:
@@ -50,11 +51,15 @@ def capabilities_for(backend: str) -> BackendCapabilities:
 
 
 def lifecycle_config(
-    caps: BackendCapabilities, *, max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES
+    caps: BackendCapabilities,
+    *,
+    max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES,
+    absorbed: str = "bf16",
 ) -> LifecycleConfig:
-    """The lifecycle settings a backend's capabilities imply."""
+    """The lifecycle settings a backend's capabilities imply (``absorbed``: bf16/direct)."""
     return LifecycleConfig(
         release_source=caps.releases_absorbed_source,
         dense_mha_prefill=not caps.serves_extend_through_absorbed,
         max_scratch_bytes=max_scratch_bytes,
+        absorbed=absorbed,
     )

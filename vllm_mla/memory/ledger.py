@@ -4,7 +4,8 @@ Owners of an MLA layer: ``absorbed`` (W_UK_T, W_UV and DCP copies), ``source``
 (kv_b_proj's checkpoint tensors), ``packed`` (forms a backend derived from the
 source). A storage shared by several owners counts once, for the first owner in
 ``OWNERS`` order (upstream's absorbed views alias a BF16 source, for example).
-Bytes are whole storages, since a view keeps its entire storage alive.
+Bytes are whole storages, since a view keeps its entire storage alive. Routed weights
+(``AbsorbedWeight``) count the storage they wrap: in direct mode the pack's, once.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ def layer_owners(layer: nn.Module) -> dict[str, list[torch.Tensor]]:
     from vllm_mla.weights.forms import PACKED_ATTRS
     from vllm_mla.weights.sources import packed_tensors
 
-    absorbed = [
-        t for t in (getattr(layer, a, None) for a in ABSORBED_ATTRS) if isinstance(t, torch.Tensor)
-    ]
+    absorbed = []
+    for attr in ABSORBED_ATTRS:
+        t = getattr(layer, attr, None)
+        if isinstance(t, torch.Tensor):
+            # a routed weight (vllm_mla.ops.AbsorbedWeight) holds other tensors' storage
+            inner = getattr(t, "inner_tensors", None)
+            absorbed.extend(inner() if callable(inner) else [t])
     kv_b = layer.kv_b_proj
     source = [*kv_b.parameters(), *kv_b.buffers()]
     packed = [t for attr in PACKED_ATTRS for t in packed_tensors(kv_b, attr)]

@@ -49,6 +49,10 @@ def register() -> dict[str, str]:
         from vllm_mla.vllm.sparse import cpu
 
         _result["sparse-cpu"] += "; " + cpu.register()
+    if "cpu-mxfp8" in _result:
+        from vllm_mla.vllm import cpu_mxfp8
+
+        _result["cpu-mxfp8"] = cpu_mxfp8.register()
     for name in unknown:
         _result[name] = f"skipped: unknown feature (known: {', '.join(envs.FEATURES)})"
     summary = "; ".join(f"{k}: {v}" for k, v in sorted(_result.items())) or "no features"

@@ -15,6 +15,7 @@ from collections import Counter
 from torch import nn
 
 from vllm_mla.memory import Ledger
+from vllm_mla.ops import absorbed_matmul
 
 _post_load: list[tuple[str, str]] = []
 _query: Counter[str] = Counter()
@@ -37,11 +38,13 @@ def record_sparse(event: str) -> None:
 
 
 def snapshot() -> dict:
-    """This process's record: pid, post-loads in order, query-path and sparse counts."""
+    """This process's record: pid, post-loads in order, query-path, absorbed-BMM and
+    sparse counts (``absorbed``: ``path:role`` from ``vllm_mla.ops.absorbed_matmul.calls``)."""
     return {
         "pid": os.getpid(),
         "post_load": list(_post_load),
         "query": dict(_query),
+        "absorbed": absorbed_matmul.calls(),
         "sparse": dict(_sparse),
     }
 
@@ -51,6 +54,7 @@ def reset() -> None:
     _post_load.clear()
     _query.clear()
     _sparse.clear()
+    absorbed_matmul.reset_calls()
 
 
 def ledger_by_layer(model: nn.Module) -> dict[str, dict[str, int]]:

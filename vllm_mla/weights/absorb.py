@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.quant import mxfp8
 from vllm_mla.weights import faults, forms
 from vllm_mla.weights.sources import ChunkAxis, KVBSource, prepare_release
@@ -40,6 +41,7 @@ FP8_BLOCK = 128  # DeepSeek block-FP8 scale granularity (rows and columns)
 DEFAULT_MAX_SCRATCH_BYTES = 8 << 20  # 8 MiB: a few heads at any preset's geometry
 STATE_ATTR = "_vllm_mla_absorbed"
 PAIR = ("W_UK_T", "W_UV")
+ABSORBED_MODES = ("bf16", "direct")
 
 
 class LifecycleError(RuntimeError):
@@ -58,15 +60,20 @@ class LifecycleConfig:
     after the pair is materialized; it is refused while ``dense_mha_prefill`` is
     True, because that prefill path calls kv_b_proj. ``max_scratch_bytes`` bounds
     dequantization scratch; the lifecycle picks the largest head group that fits.
+    ``absorbed="direct"`` binds MXFP8 views of the pack instead of a BF16 pair
+    (``vllm_mla.weights.direct``; release then frees only what the views do not read).
     """
 
     release_source: bool = False
     dense_mha_prefill: bool = True
     max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES
+    absorbed: Literal["bf16", "direct"] = "bf16"
 
     def __post_init__(self) -> None:
         if self.max_scratch_bytes <= 0:
             raise LifecycleError(f"max_scratch_bytes must be > 0, got {self.max_scratch_bytes}")
+        if self.absorbed not in ABSORBED_MODES:
+            raise LifecycleError(f"absorbed must be one of {ABSORBED_MODES}, got {self.absorbed!r}")
 
     def check_release(self) -> None:
         """Raise ReleaseRefusedError if release is asked for while MHA prefill needs the source."""
@@ -127,13 +134,14 @@ class AbsorbedState:
 
     fingerprint: tuple | None = None
     released: bool = False
+    direct: object | None = None  # direct.DirectState once direct mode bound the views
 
 
 @dataclass
 class PostLoadReport:
     """What one post-load call did."""
 
-    action: Literal["materialized", "reloaded", "aliased", "noop"]
+    action: Literal["materialized", "reloaded", "aliased", "noop", "direct", "direct-reloaded"]
     pair: dict[str, str] = field(default_factory=dict)
     released_bytes: int = 0
     plan: AbsorptionPlan | None = None
@@ -260,6 +268,23 @@ def _bind(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
     layer._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
 
+def _unwrap_pair(layer: nn.Module) -> None:
+    """Put a routed (dense ``AbsorbedWeight``) pair back as plain Parameters, same storage.
+
+    The route is re-bound after post-load by its owner; the storage (and so every
+    CUDA-graph address) is the one the lifecycle refills in place.
+    """
+    for name in (*PAIR, "W_UK_T_dcp_qrep"):
+        current = layer._parameters.get(name)
+        if isinstance(current, AbsorbedWeight):
+            if current.kind != "dense":
+                raise LifecycleError(
+                    f"{name} holds MXFP8 views (direct mode); a bf16 post-load cannot take "
+                    "them over in the same process (keep VLLM_MLA_ABSORBED unchanged)"
+                )
+            layer._parameters[name] = nn.Parameter(current.dense_values(), requires_grad=False)
+
+
 def state_of(layer: nn.Module) -> AbsorbedState:
     """The lifecycle state kept on ``layer`` (created empty on first use)."""
     state = layer.__dict__.get(STATE_ATTR)
@@ -291,6 +316,12 @@ def post_load(
     """
     config = config or LifecycleConfig()
     config.check_release()
+    if config.absorbed == "direct":
+        from vllm_mla.weights import direct
+
+        release = config.release_source and not config.dense_mha_prefill
+        return PostLoadReport(direct.post_load_direct(layer, act_dtype, release, refresh=refresh))
+    _unwrap_pair(layer)
     state = state_of(layer)
     source = (reader or default_reader(act_dtype))(layer.kv_b_proj)
     if source is None:

@@ -120,7 +120,9 @@ PATCHES: tuple[Patch, ...] = (
         "dequant scratch has churned the allocator",
         how="runs vllm_mla.weights.post_load (preallocate, bounded chunks, capability-gated "
         "release; a kept dense source in the activation dtype is aliased as upstream does) for "
-        "the generic absorbed path; AMX and aiter layers go to the original untouched",
+        "the generic absorbed path, or binds MXFP8 views of the pack (VLLM_MLA_ABSORBED=direct); "
+        "where the safe BMM is needed the pair is bound as routed weights; AMX and aiter layers "
+        "go to the original untouched",
         removal="when upstream MLA post-load preallocates the pair, bounds dequant scratch and "
         "releases kv_b_proj by backend capability",
         factory="vllm_mla.vllm.patches.mla_post_load:make_process_weights_after_loading",
@@ -154,7 +156,8 @@ PATCHES: tuple[Patch, ...] = (
         versions=SUPPORTED_VLLM,
         why="cuBLAS batched BF16 GEMM reads past strided operands on SM120/121 (Xid 31)",
         how="on SM12x, with the needs_safe_query_bmm capability or VLLM_MLA_SAFE_BMM=always, "
-        "the generic path runs safe_mla_query_bmm; otherwise the original, untouched",
+        "the generic path runs safe_mla_query_bmm; a routed W_UV (safe or direct mode) and "
+        "everything else run the original, untouched",
         removal="when cuBLAS or upstream's _v_up_proj is safe on SM12x",
         factory="vllm_mla.vllm.patches.mla_v_up_proj:make_v_up_proj",
     ),

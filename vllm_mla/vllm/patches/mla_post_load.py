@@ -7,7 +7,11 @@ after dequant scratch (allocator holes), and never releases the source.
 How: kv_b_proj's form is looked up in the kv_b_proj matrix (``vllm_mla.weights.forms``:
 quant method x selected kernel -> the tensors its post-load left); a known form runs
 ``vllm_mla.weights.post_load`` (pair allocated first, bounded chunks, release only when
-the backend's capability allows it and no dense MHA prefill calls kv_b_proj); the rest
+the backend's capability allows it and no dense MHA prefill calls kv_b_proj), or, with
+``VLLM_MLA_ABSORBED=direct``, binds MXFP8 views of kv_b_proj's pack instead of a pair
+(``vllm_mla.weights.direct``; refused with the reason where it cannot serve); where the
+safe BMM is needed (``needs_safe_bmm``) the pair is then bound as routed weights
+(``vllm_mla.weights.route``), so every bmm vLLM runs on it takes our op; the rest
 of upstream's tail (DCP query copy, default quant scales) runs as upstream does. A
 dense kv_b_proj already in the activation dtype that must stay is aliased as upstream
 does (no copy, no scratch: nothing to gain). Delegated untouched to the original: AMX
@@ -25,9 +29,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from vllm_mla import envs
 from vllm_mla.backends import capabilities_for, lifecycle_config
 from vllm_mla.vllm import telemetry
 from vllm_mla.weights import LifecycleConfig, forms, post_load
+from vllm_mla.weights.absorb import state_of
+from vllm_mla.weights.direct import DIRECT_DECODES, DirectModeError
+from vllm_mla.weights.route import bind_safe
 from vllm_mla.weights.sources import holds_weights, owner_module
 
 logger = logging.getLogger("vllm_mla")
@@ -47,10 +55,40 @@ def backend_name(layer: nn.Module) -> str | None:
     return get_name() if callable(get_name) else None
 
 
+def needs_safe_bmm(layer: nn.Module, device: torch.device) -> bool:
+    """SM12x GPUs, or a backend declaring ``needs_safe_query_bmm``; never AMX/aiter layers.
+
+    ``VLLM_MLA_SAFE_BMM`` overrides the choice for generic layers: ``always`` / ``never``.
+    """
+    if any(getattr(layer, flag, False) for flag in OWN_BMM_FLAGS):
+        return False
+    mode = envs.safe_bmm_mode()
+    if mode != "auto":
+        return mode == "always"
+    if capabilities_for(backend_name(layer) or "").needs_safe_query_bmm:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
+
+
+def absorbed_mode(layer: nn.Module) -> str:
+    """``bf16`` or ``direct`` for this layer, from ``VLLM_MLA_ABSORBED``.
+
+    ``auto`` is ``direct`` only for a backend declaring ``prefers_direct_absorbed`` (none
+    does until a GPU measurement shows direct at least as fast) on an MXFP8 pack.
+    """
+    mode = envs.absorbed_mode()
+    if mode != "auto":
+        return mode
+    if not capabilities_for(backend_name(layer) or "").prefers_direct_absorbed:
+        return "bf16"
+    found, _ = forms.detect(layer.kv_b_proj)
+    return "direct" if found is not None and found.decode in DIRECT_DECODES else "bf16"
+
+
 def layer_config(layer: nn.Module) -> LifecycleConfig:
     """Lifecycle settings from the backend's capabilities and the layer's prefill path."""
     caps = capabilities_for(backend_name(layer) or "")
-    config = lifecycle_config(caps)
+    config = lifecycle_config(caps, absorbed=absorbed_mode(layer))
     impl = getattr(layer, "impl", None)
     # Dense MHA prefill calls kv_b_proj: it exists unless both impl and layer opt out
     # and the layer really has no prefill backend.
@@ -63,6 +101,7 @@ def layer_config(layer: nn.Module) -> LifecycleConfig:
             release_source=config.release_source,
             dense_mha_prefill=True,
             max_scratch_bytes=config.max_scratch_bytes,
+            absorbed=config.absorbed,
         )
     return config
 
@@ -75,7 +114,15 @@ def delegate_reason(layer: nn.Module) -> str | None:
     """
     for flag in OWN_BMM_FLAGS:
         if getattr(layer, flag, False):
+            if envs.absorbed_mode() == "direct":
+                raise DirectModeError(
+                    f"VLLM_MLA_ABSORBED=direct: this layer's backend owns its absorbed "
+                    f"weights ({flag}: it packs W_UK/W_UV itself), so direct mode cannot "
+                    "serve it; select the generic MLA backend or use bf16 mode"
+                )
             return flag
+    if state_of(layer).direct is not None:
+        return None  # direct views bound: ours, even with swizzled scales released
     found, why = forms.detect(layer.kv_b_proj)
     if found is None and holds_weights(owner_module(layer.kv_b_proj), forms.PACKED_ATTRS):
         if why not in _logged_unknown:
@@ -103,6 +150,14 @@ def _upstream_tail(layer: nn.Module) -> None:
         mla.set_default_quant_scales(layer, register_buffer=False)
 
 
+def _bind_route(layer: nn.Module, name: str) -> None:
+    """Safe mode: wrap the pair so every bmm on it runs the bounds-safe op."""
+    pair = getattr(layer, "W_UK_T", None)
+    if isinstance(pair, torch.Tensor) and needs_safe_bmm(layer, pair.device):
+        bind_safe(layer)
+        telemetry.record_post_load(name, "safe route bound")
+
+
 def make_process_weights_after_loading(original: Callable) -> Callable:
     """The replacement for ``MLAAttention.process_weights_after_loading``."""
 
@@ -111,7 +166,9 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
         reason = delegate_reason(self)
         if reason is not None:
             telemetry.record_post_load(name, f"delegated: {reason}")
-            return original(self, act_dtype)
+            result = original(self, act_dtype)
+            _bind_route(self, name)
+            return result
         config = layer_config(self)
         self.impl.process_weights_after_loading(act_dtype)
         if getattr(self, "dcp_q_replicate", False):
@@ -123,6 +180,8 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
         report = post_load(self, act_dtype, config, refresh=True)
         _upstream_tail(self)
         telemetry.record_post_load(name, report.action)
+        if config.absorbed == "bf16":
+            _bind_route(self, name)
 
     process_weights_after_loading.__doc__ = original.__doc__
     process_weights_after_loading.__qualname__ = original.__qualname__

@@ -12,6 +12,9 @@ turns it off), the same product runs through
 not built), or, when W_UV is upstream's transposed view of a kept BF16 kv_b_proj,
 through torch.bmm on a contiguous copy of the activation (the known workaround);
 everywhere else the original runs untouched. The decision is made once per layer.
+A layer whose W_UV is routed (``AbsorbedWeight``: safe mode bound by the post-load
+patch, or direct mode) runs the original, whose bmm already goes through our op; this
+patch covers layers without the route (the ``lifecycle`` feature off).
 Removal: when cuBLAS (or upstream's _v_up_proj) is safe on strided operands on SM12x.
 """
 
@@ -22,28 +25,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vllm_mla import envs
-from vllm_mla.backends import capabilities_for
 from vllm_mla.ops import safe_mla_query_bmm
+from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.vllm import telemetry
-from vllm_mla.vllm.patches.mla_post_load import OWN_BMM_FLAGS, backend_name
+from vllm_mla.vllm.patches.mla_post_load import needs_safe_bmm
 
 DECISION_ATTR = "_vllm_mla_safe_v_up"
-
-
-def needs_safe_bmm(layer: nn.Module, device: torch.device) -> bool:
-    """SM12x GPUs, or a backend declaring ``needs_safe_query_bmm``; never AMX/aiter layers.
-
-    ``VLLM_MLA_SAFE_BMM`` overrides the choice for generic layers: ``always`` / ``never``.
-    """
-    if any(getattr(layer, flag, False) for flag in OWN_BMM_FLAGS):
-        return False
-    mode = envs.safe_bmm_mode()
-    if mode != "auto":
-        return mode == "always"
-    if capabilities_for(backend_name(layer) or "").needs_safe_query_bmm:
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
 
 
 def make_v_up_proj(original: Callable) -> Callable:
@@ -53,6 +40,10 @@ def make_v_up_proj(original: Callable) -> Callable:
         safe = self.__dict__.get(DECISION_ATTR)
         if safe is None:
             safe = self.__dict__[DECISION_ATTR] = needs_safe_bmm(self, x.device)
+        if isinstance(self.W_UV, AbsorbedWeight):
+            # safe or direct route bound: upstream's own bmm runs our op
+            telemetry.record_query("v_up_proj:routed")
+            return original(self, x, out)
         if not safe:
             telemetry.record_query("v_up_proj:original")
             return original(self, x, out)
