@@ -46,6 +46,7 @@ from vllm_mla.ops.sparse_mla import (
     sparse_mla_forward,
     sparse_mla_reference,
 )
+from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
 SCALE = 1 / math.sqrt(192 + 64)  # GLM-5: qk_nope 192 + rope 64
 
@@ -232,6 +233,7 @@ def time_decode(fmt, t, h, k, cache, device, gen, bandwidth, reps=50) -> dict:
         times.append(start.elapsed_time(end) * 1e3)
     us = sorted(times)[len(times) // 2]
     gathered = t * k * record_bytes(fmt)
+    loaded = t * kernels.gathered_bytes(h, k, fmt)
     unique = int(torch.unique(st.idx).numel()) * record_bytes(fmt)
     return {
         "fmt": fmt,
@@ -240,14 +242,52 @@ def time_decode(fmt, t, h, k, cache, device, gen, bandwidth, reps=50) -> dict:
         "K": k,
         "us": us,
         "gathered_bytes": gathered,
+        "loaded_bytes": loaded,  # the kernel's own accounting: once per head tile
         "unique_bytes": unique,
         "GBps": gathered / (us * 1e-6) / 1e9,
         "pct_roofline": 100 * gathered / (us * 1e-6) / bandwidth,
     }
 
 
+def kv_reads(topk: int = 2048) -> list[dict]:
+    """The split kernel's own byte accounting per token (shapes only, any device): KV
+    bytes it loads vs the K records a token selects, now and with the old 16-head tiles."""
+    rows = []
+    for fmt in KV_FORMATS:
+        for h in (16, 32, 64, 128):
+            need = topk * record_bytes(fmt)
+            loads = kernels.gathered_bytes(h, topk, fmt)
+            rows.append(
+                {
+                    "fmt": fmt,
+                    "H": h,
+                    "K": topk,
+                    "heads_per_program": kernels.block_h(h),
+                    "selected_bytes": need,
+                    "loaded_bytes": loads,
+                    "reads_per_row": loads / need,
+                    "reads_per_row_16_head_tiles": -(-h // 16),
+                }
+            )
+    return rows
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Sparse MLA ({report['env'].get('gpu', 'CPU smoke')})", ""]
+    lines += [
+        "KV bytes the split kernel loads per token (its own accounting; K x record = "
+        "what a token selects):",
+        "",
+        "| fmt | H | K | heads/program | K x record | loaded | reads/row | with 16-head tiles |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.get("kv_reads", []):
+        lines.append(
+            f"| {r['fmt']} | {r['H']} | {r['K']} | {r['heads_per_program']} | "
+            f"{r['selected_bytes']:,} | {r['loaded_bytes']:,} | {r['reads_per_row']:g} | "
+            f"{r['reads_per_row_16_head_tiles']} |"
+        )
+    lines.append("")
     lines += [
         "| check | fmt | T | H | K | rel err | lse err | ok |",
         "|---|---|---|---|---|---|---|---|",
@@ -284,6 +324,7 @@ def main() -> int:
     device = torch.device(gen_device)
     gen = torch.Generator(device=device).manual_seed(0)
     report = {"env": environment(), "checks": [], "soak": [], "timing": []}
+    report["kv_reads"] = kv_reads()
     started = time.perf_counter()
 
     if args.smoke:

@@ -5,18 +5,15 @@ covers kernel correctness, raw-op graph replay, the soak and the roofline). Per 
 (KV format x heads, GLM-5 TP4 shapes: top-k 2048, head 576, block 64, extend up to
 4096 rows), in this order:
 
-1. KV pool: a small profiling pool is bound through ``LayerKVBinding.sync``; the
-   cache writer writes rows through its view and an indexer view is read; the pool is
-   then dropped as vLLM drops it (its owner deletes it; the binding's finalizer drops
-   the views), and the real pool is allocated and synced. Checked: after the drop the
-   census is back at the case baseline (the profiling bytes returned), weak references
-   to the old pool, its storage and the old views are dead, the binding is unbound;
-   after the real pool, allocated == baseline + the real pool's bytes and ``sync``
-   itself allocates nothing.
+1. KV pool: a small profiling pool is written (as vLLM's cache writer does) and
+   dropped as vLLM drops it (its owner deletes it; the backend holds no reference),
+   then the real pool is allocated and filled. Checked: after the drop the census is
+   back at the case baseline (the profiling bytes returned) and weak references to the
+   old pool and its storage are dead; the real pool adds its bytes.
 2. Preparation on the real pool: census before ``plan``; after ``plan`` (unchanged: a
    plan allocates nothing and holds no tensor); after ``prepare`` (back at the
    pre-prepare figure: every probe freed, each probe's weak reference dead; the peak
-   during preparation is reported); after the session's scratch and after binding
+   during preparation is reported); after the caller's scratch and after binding
    caller-owned live inputs (``bind`` itself allocates nothing).
 3. After ``freeze``: one eager ``run(binding)`` (the session raises if it compiled
    anything), a CUDA graph captured around ``run(binding)``, then replays with new q /
@@ -28,9 +25,9 @@ covers kernel correctness, raw-op graph replay, the soak and the roofline). Per 
    (``PreparationFrozen``), a run of a declared but unprepared plan
    (``SparseMLANotPrepared``), and, where the kernel tracks its compiled variants
    (Triton), a run whose q strides the probes did not have (``SparseMLANotPrepared``).
-5. Teardown: dropping the graph and live inputs returns the census to the
-   scratch-only figure; ``release(plan)`` returns it to the pre-plan figure and frees the
-   scratch storage; dropping the real pool returns it to the case baseline.
+5. Teardown: dropping the graph, live inputs and the caller's scratch returns the
+   census to the pre-plan figure (the session kept none of them); ``release(plan)``
+   leaves it there; dropping the real pool returns it to the case baseline.
 
 Census source: on CUDA, ``torch.cuda.memory_allocated`` / ``memory_reserved`` (exact,
 block-rounded bytes) plus the tensors on the device that ``gc`` can see. On CPU
@@ -71,24 +68,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_mla import environment, errors  # reuse: same tolerances, same env record
 
 from vllm_mla import envs
-from vllm_mla.backends.b12x_sparse import (
-    HEAD_SIZE,
+from vllm_mla.memory import AllocationTrace, storage_key
+from vllm_mla.ops import sparse_mla as sm
+from vllm_mla.ops.sparse_mla import (
+    HEAD_DIM,
     LATENT,
     ROPE,
-    CacheWriterFormat,
-    KVPoolReleased,
-    LayerKVBinding,
     PreparationFrozen,
     PreparationSession,
     SparseMLACaps,
     SparseMLANotPrepared,
+    pack_rows,
+    sparse_mla_reference,
 )
-from vllm_mla.memory import AllocationTrace, storage_key
-from vllm_mla.ops import sparse_mla as sm
-from vllm_mla.ops.sparse_mla import pack_rows, sparse_mla_reference
-from vllm_mla.ops.sparse_mla.dispatch import TRITON_AVAILABLE
+from vllm_mla.ops.sparse_mla.forward import TRITON_AVAILABLE
 
-SCALE = HEAD_SIZE**-0.5  # the session's default softmax scale (run() passes it)
+SCALE = HEAD_DIM**-0.5  # the session's default softmax scale (run() passes it)
 FILL_CHUNK = 1 << 16  # pool rows packed per step (bounds the fill's temporaries)
 
 
@@ -244,25 +239,21 @@ def tensors_in(obj: object) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------- inputs
 
 
-def k_pe_view(alias: torch.Tensor, fmt: CacheWriterFormat) -> torch.Tensor:
-    """Stands in for an indexer view of the pool: the rope part of every row."""
-    return alias[..., fmt.row_width - ROPE * 2 // alias.element_size() :]
+def new_pool(kv_format: str, block_size: int, blocks: int, device: torch.device) -> torch.Tensor:
+    """A ``[blocks, block_size, record]`` pool, as vLLM allocates one layer's cache."""
+    width, dtype = sm.record_width(kv_format)
+    return torch.zeros(blocks, block_size, width, dtype=dtype, device=device)
 
 
-def new_pool(fmt: CacheWriterFormat, blocks: int, device: torch.device) -> torch.Tensor:
-    """A ``[blocks, block_size, row_width]`` pool, as vLLM allocates one layer's cache."""
-    return torch.zeros(blocks, fmt.block_size, fmt.row_width, dtype=fmt.dtype, device=device)
-
-
-def fill_through_writer(binding: LayerKVBinding, gen: torch.Generator) -> None:
-    """Write packed random rows through the cache-writer view (what the writer does)."""
-    rows = binding.writer()
-    device = rows.device
-    for start in range(0, rows.shape[0], FILL_CHUNK):
-        n = min(FILL_CHUNK, rows.shape[0] - start)
-        kv_c = torch.randn(n, LATENT, generator=gen, device=device)
-        k_pe = torch.randn(n, ROPE, generator=gen, device=device)
-        rows[start : start + n] = pack_rows(kv_c, k_pe, binding.format.kv_format)
+def fill_rows(pool: torch.Tensor, kv_format: str, gen: torch.Generator, limit: int | None = None):
+    """Write packed random rows into ``pool`` (what vLLM's cache writer does)."""
+    rows = pool.view(-1, pool.shape[-1])
+    total = rows.shape[0] if limit is None else min(limit, rows.shape[0])
+    for start in range(0, total, FILL_CHUNK):
+        n = min(FILL_CHUNK, total - start)
+        kv_c = torch.randn(n, LATENT, generator=gen, device=pool.device)
+        k_pe = torch.randn(n, ROPE, generator=gen, device=pool.device)
+        rows[start : start + n] = pack_rows(kv_c, k_pe, kv_format)
 
 
 class Live:
@@ -270,7 +261,7 @@ class Live:
 
     def __init__(self, caps: SparseMLACaps, tokens: int, device: torch.device) -> None:
         h, k = caps.num_heads, caps.topk
-        self.q = torch.zeros(tokens, h, HEAD_SIZE, dtype=caps.q_dtype, device=device)
+        self.q = torch.zeros(tokens, h, HEAD_DIM, dtype=caps.q_dtype, device=device)
         self.idx = torch.full((tokens, k), -1, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.out = torch.empty(tokens, h, LATENT, dtype=caps.q_dtype, device=device)
@@ -290,7 +281,7 @@ def make_inputs(
     """q [T, H, 576]; per token top-k distinct rows (an odd stride over a power-of-two
     row count), 5% of them -1; ragged lengths (token 0 full, some may be 0)."""
     t, k = tokens, caps.topk
-    q = torch.randn(t, caps.num_heads, HEAD_SIZE, generator=gen, device=device)
+    q = torch.randn(t, caps.num_heads, HEAD_DIM, generator=gen, device=device)
     start = torch.randint(0, num_rows, (t, 1), generator=gen, device=device)
     step = 2 * torch.randint(0, max(1, num_rows // 2), (t, 1), generator=gen, device=device) + 1
     idx = ((start + step * torch.arange(k, device=device)) % num_rows).int()
@@ -309,66 +300,47 @@ def compare(out, lse, q, pool, idx, lengths, kv_format) -> dict:
 # ---------------------------------------------------------------------------- phases
 
 
-def profiling_phase(binding, owner, census, checks, case, base, gen) -> None:
-    """Bind the profiling pool, use its views, drop it as vLLM does; check it is gone."""
+def profiling_phase(owner, census, checks, case, base, gen) -> None:
+    """Write into the profiling pool, drop it as vLLM does; check it is gone."""
     c = case.name
-    owner["kv_cache"] = new_pool(binding.format, case.profiling_blocks, census.device)
-    checks(c, "profiling pool bound", binding.sync(owner["kv_cache"]))
-    writer, k_pe = binding.writer(), binding.view("k_pe")
-    n = min(writer.shape[0], 64)
-    kv_c = torch.randn(n, LATENT, generator=gen, device=census.device)
-    rope = torch.randn(n, ROPE, generator=gen, device=census.device)
-    writer[:n] = pack_rows(kv_c, rope, case.kv_format)  # a profile run's cache write
-    float(k_pe[0, :1].float().sum())  # and an indexer read
+    owner["kv_cache"] = new_pool(
+        case.kv_format, case.block_size, case.profiling_blocks, census.device
+    )
+    fill_rows(owner["kv_cache"], case.kv_format, gen, limit=64)  # a profile run's writes
     refs = {
         "pool": weakref.ref(owner["kv_cache"]),
         "storage": weakref.ref(owner["kv_cache"].untyped_storage()),
-        "writer view": weakref.ref(writer),
-        "indexer view": weakref.ref(k_pe),
     }
-    del writer, k_pe, kv_c, rope
-    bound = census.snap(c, "profiling pool bound")
-    profiling_bytes = bound["allocated"] - base["allocated"]
-    # vLLM drops its reference to the profiling pool; nothing calls the binding.
+    used = census.snap(c, "profiling pool written")
+    profiling_bytes = used["allocated"] - base["allocated"]
+    # vLLM drops its reference to the profiling pool; the backend keeps none.
     del owner["kv_cache"]
     gc.collect()
     dropped = census.snap(c, "profiling pool dropped")
     alive = [name for name, ref in refs.items() if ref() is not None]
-    checks(c, "old pool, storage and views unreferenced", not alive, f"alive: {alive or 'none'}")
-    checks(c, "binding unbound by the finalizer", not binding.bound)
-    checks.raises(c, "writer() raises after the drop", KVPoolReleased, binding.writer)
+    checks(c, "old pool and storage unreferenced", not alive, f"alive: {alive or 'none'}")
     ok = dropped["allocated"] == base["allocated"]
     checks(
         c,
         "profiling bytes returned",
         ok,
-        f"{profiling_bytes:,} bytes bound; allocated {dropped['allocated']:,} "
+        f"{profiling_bytes:,} bytes used; allocated {dropped['allocated']:,} "
         f"vs baseline {base['allocated']:,}",
     )
 
 
-def real_pool_phase(binding, owner, census, checks, case, base, gen) -> None:
+def real_pool_phase(owner, census, checks, case, base, gen) -> None:
     c = case.name
-    owner["kv_cache"] = new_pool(binding.format, case.pool_blocks, census.device)
+    owner["kv_cache"] = new_pool(case.kv_format, case.block_size, case.pool_blocks, census.device)
     allocated = census.snap(c, "real pool allocated")
     pool_bytes = allocated["allocated"] - base["allocated"]
-    checks(c, "real pool synced", binding.sync(owner["kv_cache"]))
-    synced = census.snap(c, "real pool synced")
     checks(
         c,
-        "allocated == baseline + real pool; sync allocates nothing",
-        synced["allocated"] == base["allocated"] + pool_bytes
-        and pool_bytes >= owner["kv_cache"].untyped_storage().nbytes(),
-        f"pool {owner['kv_cache'].untyped_storage().nbytes():,} bytes, allocator "
-        f"+{pool_bytes:,}; after sync {synced['allocated'] - base['allocated']:+,}",
+        "allocated == baseline + real pool",
+        pool_bytes >= owner["kv_cache"].untyped_storage().nbytes(),
+        f"pool {owner['kv_cache'].untyped_storage().nbytes():,} bytes, allocator +{pool_bytes:,}",
     )
-    checks(
-        c,
-        "views address the real pool",
-        binding.writer().untyped_storage().data_ptr()
-        == owner["kv_cache"].untyped_storage().data_ptr(),
-    )
-    fill_through_writer(binding, gen)
+    fill_rows(owner["kv_cache"], case.kv_format, gen)
 
 
 def prepare_phase(session, caps, impl, census, checks, c, report) -> tuple:
@@ -467,14 +439,14 @@ def replay_phase(session, binding, live, pool, census, checks, c, case, gen, rou
     return worst
 
 
-def extend_check(session, p, pool, census, checks, c, case, gen) -> None:
+def extend_check(session, p, pool, scratch, census, checks, c, case, gen) -> None:
     caps = p.caps
     num_rows = pool.shape[0] * pool.shape[1]
     live = Live(caps, caps.max_tokens, census.device)
     q, idx, lengths = make_inputs(caps, caps.max_tokens, num_rows, gen, census.device)
     live.load(q, idx, lengths)
     binding = session.bind(
-        p, scratch=session.scratch(p), q=live.split(), kv_cache=pool, indices=live.idx,
+        p, scratch=scratch, q=live.split(), kv_cache=pool, indices=live.idx,
         lengths=live.lengths, out=live.out,
     )  # fmt: skip
     out, lse = session.run(binding)
@@ -507,8 +479,8 @@ def frozen_compile_checks(session, p, impl, live, pool, scratch, checks, c) -> N
     # Last on purpose: this launch does compile (that is the defect being caught), which
     # leaves the kernel's variant count above the frozen one for this session.
     t, h = live.q.shape[:2]
-    wide = torch.zeros(t, h, HEAD_SIZE + 1, dtype=live.q.dtype, device=live.q.device)
-    odd = wide[..., :HEAD_SIZE]  # row stride H * 577: not a multiple of 16
+    wide = torch.zeros(t, h, HEAD_DIM + 1, dtype=live.q.dtype, device=live.q.device)
+    odd = wide[..., :HEAD_DIM]  # row stride H * 577: not a multiple of 16
     odd.copy_(live.q)
     binding = session.bind(
         p, scratch=scratch, q=(odd[..., :LATENT], odd[..., LATENT:]), kv_cache=pool,
@@ -529,11 +501,9 @@ def run_case(case, device, impl, census, checks, gen, rounds) -> dict:
     print(f"\n== {c} (impl {impl})", flush=True)
     report: dict = {"case": c, **dataclasses.asdict(case), "impl": impl, "_probes": []}
     base = census.snap(c, "case baseline")
-    fmt = CacheWriterFormat(case.kv_format, case.block_size)
-    layer = LayerKVBinding(f"{c}:layer", fmt, {"k_pe": k_pe_view})
     owner: dict[str, torch.Tensor] = {}  # vLLM's per-layer kv_caches: the pool's only owner
-    profiling_phase(layer, owner, census, checks, case, base, gen)
-    real_pool_phase(layer, owner, census, checks, case, base, gen)
+    profiling_phase(owner, census, checks, case, base, gen)
+    real_pool_phase(owner, census, checks, case, base, gen)
     pool = owner["kv_cache"]
     report["pool_bytes"] = pool.untyped_storage().nbytes()
 
@@ -546,9 +516,10 @@ def run_case(case, device, impl, census, checks, gen, rounds) -> dict:
     caps = case.caps()
     p, before_plan = prepare_phase(session, caps, impl, census, checks, c, report)
 
-    scratch = session.scratch(p)
+    # The caller owns the scratch (the vLLM impl takes it from vLLM's workspace).
+    scratch = torch.empty(p.scratch_bytes, dtype=torch.uint8, device=device)
     scratch_ref = weakref.ref(scratch.untyped_storage())
-    after_scratch = census.snap(c, "after scratch")
+    after_scratch = census.snap(c, "after caller scratch")
     scratch_delta = after_scratch["allocated"] - before_plan["allocated"]
     checks(
         c,
@@ -577,22 +548,27 @@ def run_case(case, device, impl, census, checks, gen, rounds) -> dict:
     report["replay"] = replay_phase(
         session, binding, live, pool, census, checks, c, case, gen, rounds
     )
-    extend_check(session, p, pool, census, checks, c, case, gen)
+    extend_check(session, p, pool, scratch, census, checks, c, case, gen)
     frozen_compile_checks(session, p, impl, live, pool, scratch, checks, c)
 
     del binding, q_views, live, scratch
-    dropped = census.snap(c, "graph + live inputs dropped")
-    ok, detail = same(after_scratch, dropped)
-    checks(c, "dropping graph + inputs leaves the scratch only", ok, detail)
+    dropped = census.snap(c, "graph + live inputs + scratch dropped")
+    ok, detail = same(before_plan, dropped)
+    alive = scratch_ref() is not None
+    checks(
+        c,
+        "the session keeps nothing of the caller's (scratch freed with the caller's ref)",
+        ok and not alive,
+        f"{detail}; alive: {alive}",
+    )
     session.release(p)
     released = census.snap(c, "after release(plan)")
     ok, detail = same(before_plan, released)
-    alive = scratch_ref() is not None
-    checks(c, "release(plan) returns the scratch", ok and not alive, f"{detail}; alive: {alive}")
+    checks(c, "release(plan) leaves the plan's baseline", ok, detail)
     del pool, owner["kv_cache"]
     final = census.snap(c, "real pool dropped")
     ok, detail = same(base, final)
-    checks(c, "case ends at its baseline, binding unbound", ok and not layer.bound, detail)
+    checks(c, "case ends at its baseline", ok, detail)
     report.pop("_probes")
     return report
 
@@ -600,8 +576,7 @@ def run_case(case, device, impl, census, checks, gen, rounds) -> dict:
 def warm_up(device: torch.device, gen: torch.Generator) -> None:
     """Run the reference once so lazily created, persistent state (the cuBLAS handle and
     its workspace, which the caching allocator keeps) exists before any baseline."""
-    fmt = CacheWriterFormat("bf16", 64)
-    pool = new_pool(fmt, 1, device)
+    pool = new_pool("bf16", 64, 1, device)
     caps = SparseMLACaps(max_tokens=2, num_heads=16, topk=64, kv_format="bf16")
     q, idx, lengths = make_inputs(caps, 2, 64, gen, device)
     out, lse = sparse_mla_reference(q, pool, idx, SCALE, kv_format="bf16", lengths=lengths)

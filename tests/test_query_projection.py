@@ -300,7 +300,7 @@ def test_prewarm_compiles_every_gated_m_and_capture_refuses_new_variants(monkeyp
         prewarm([1, 2, 3, 65], num_heads=3, nope_dim=192, weight_format="mxfp8", device="cpu") == 3
     )
     assert {v[4] for v in launch.compiled_variants()} == {16}  # M 1..3 share one tile bucket
-    monkeypatch.setattr(launch, "_capturing", lambda device: True)
+    monkeypatch.setattr(launch, "capturing", lambda device: True)
     m, h, p = 3, 3, 192
     q = torch.zeros(m, h, p + R).bfloat16()
     t = mxfp8.quantize(torch.zeros(h, p, L), axis=-1)

@@ -13,7 +13,7 @@ from vllm_mla.ops.sparse_mla import (
     SparseMLAError,
     SparseMLANotPrepared,
     SparseMLATypeError,
-    dispatch,
+    forward,
     pack_rows,
     scratch_bytes,
     select_impl,
@@ -22,7 +22,7 @@ from vllm_mla.ops.sparse_mla import (
 )
 
 pytest.importorskip("triton")
-from vllm_mla.ops.triton import sparse_mla as kernels
+from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
 SCALE = 1 / math.sqrt(192 + 64)  # GLM-5's qk head dim
 
@@ -89,10 +89,11 @@ def run_both(q, cache, idx, fmt, lengths=None, **kw):
 
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
-@pytest.mark.parametrize("h", [1, 3, 8, 16])
+@pytest.mark.parametrize("h", [1, 3, 8, 16, 20, 64])
 @pytest.mark.parametrize("t", [1, 5])
 def test_matches_reference(fmt, h, t):
-    """K=70 is not a multiple of BLOCK_K=32; T=5 adds ragged lengths (0, short, > K)."""
+    """K=70 is not a multiple of BLOCK_K=32; T=5 adds ragged lengths (0, short, > K);
+    H=20 is one masked 32-head tile, H=64 two full ones."""
     cache = make_cache(fmt)
     k = 70
     idx = make_indices(t, k, cache.shape[0] * cache.shape[1], seed=h)
@@ -106,6 +107,17 @@ def test_matches_reference(fmt, h, t):
     assert_matches(out, lse, ref, ref_lse)
     if lengths is not None:
         assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
+
+
+def test_head_tiles_read_each_gathered_row_once_up_to_32_heads():
+    """The kernel's own byte accounting: K records per token while H <= 32 (one program
+    holds every head), then one read per 32-head tile (not per 16)."""
+    rec = sm.record_bytes("fp8_ds_mla")
+    assert [kernels.block_h(h) for h in (1, 16, 17, 32, 64, 128)] == [16, 16, 32, 32, 32, 32]
+    for h in (1, 8, 16, 20, 32):
+        assert kernels.gathered_bytes(h, 2048, "fp8_ds_mla") == 2048 * rec
+    assert kernels.gathered_bytes(64, 2048, "fp8_ds_mla") == 2 * 2048 * rec
+    assert kernels.gathered_bytes(128, 2048, "fp8_ds_mla") == 4 * 2048 * rec  # was 8x
 
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
@@ -183,9 +195,31 @@ def test_scratch_serves_every_smaller_call():
     n, h, k = 40, 16, 2048
     need = scratch_bytes(n, h, k, kv_format="fp8_ds_mla")
     sizes = [
-        kernels.split_plan(t, h, kk).layout()[2] for t in range(1, n + 1) for kk in (1, 700, k)
+        kernels.split_plan(t, hh, kk).layout()[2]
+        for t in range(1, n + 1)
+        for hh in range(1, h + 1)
+        for kk in range(1, k + 1, 37)
     ]
-    assert need == max(sizes) > 0
+    assert need >= max(sizes) > 0
+
+
+@pytest.mark.parametrize(
+    ("t", "h", "k", "smaller"),
+    [(1, 5, 544, (1, 5, 500)), (7, 128, 256, (7, 128, 200)), (3, 17, 300, (3, 16, 300))],
+)
+def test_scratch_covers_the_calls_that_broke_it(t, h, k, smaller):
+    # exact split counts jump with K (9 -> 16 splits) and drop with more heads
+    assert kernels.split_plan(*smaller).layout()[2] <= scratch_bytes(t, h, k, kv_format="bf16")
+
+
+def test_scratch_is_monotone_in_tokens_heads_and_topk():
+    ts, hs, ks = (1, 2, 3, 5, 8, 17), (1, 3, 5, 16, 17, 64, 128), (1, 31, 64, 200, 500, 544, 2048)
+    grid = {(t, h, k): scratch_bytes(t, h, k, kv_format="bf16") for t in ts for h in hs for k in ks}
+    for (t, h, k), need in grid.items():
+        for dt, dh, dk in ((1, 0, 0), (0, 1, 0), (0, 0, 1)):
+            i, j, m = ts.index(t) + dt, hs.index(h) + dh, ks.index(k) + dk
+            if i < len(ts) and j < len(hs) and m < len(ks):
+                assert grid[ts[i], hs[j], ks[m]] >= need, ((t, h, k), (ts[i], hs[j], ks[m]))
     assert scratch_bytes(4096, 64, 2048, kv_format="bf16") == scratch_bytes(
         300, 64, 2048, kv_format="bf16"
     )
@@ -247,7 +281,7 @@ def test_prewarm_then_capture_refuses_new_variants(monkeypatch):
         cache, num_heads=2, topk=40, kv_format="fp8_ds_mla", token_counts=[1, 2, 8], impl="triton"
     )
     assert warmed == 2 and len(sm.compiled_variants()) == 2
-    monkeypatch.setattr(kernels, "_capturing", lambda device: True)
+    monkeypatch.setattr(kernels, "capturing", lambda device: True)
     idx = make_indices(2, 40, cache.shape[0] * cache.shape[1])
     sparse_mla_forward(make_q(2, 2), cache, idx, SCALE, kv_format="fp8_ds_mla", impl="triton")
     with pytest.raises(SparseMLANotPrepared, match="lse=True"):
@@ -366,16 +400,55 @@ def test_bad_input_names_the_argument(change, exc, match):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(dispatch.envs, "triton_interpret", lambda: False)
+    monkeypatch.setattr(forward.envs, "triton_interpret", lambda: False)
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
         sparse_mla_forward(**good_args(), impl="triton")
 
 
-def test_reference_rejects_rows_outside_the_cache():
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_out_of_range_indices_are_empty_and_counted(impl, fmt):
+    """INDEX_RULE in every implementation: an index outside [-1, rows) is an empty slot
+    (the cache's poisoned neighbour pages would turn a stray read into NaN) and is counted;
+    entries past ``lengths`` are ignored, not counted."""
+    cache = make_cache(fmt, num_blocks=2, block_size=8)  # 16 rows
+    idx = make_indices(3, 40, 16)
+    bad = [(0, 3, 16), (1, 0, 17), (1, 9, 1 << 20), (2, 5, -2), (2, 6, -(1 << 30))]
+    for t, j, v in bad:
+        idx[t, j] = v
+    lengths = torch.tensor([40, 40, 39], dtype=torch.int32)
+    idx[2, 39] = 999  # past lengths[2]: ignored, not counted
+    invalid = torch.zeros(1, dtype=torch.int32)
+    q = make_q(3, 2)
+    out, lse = sparse_mla_forward(
+        q,
+        cache,
+        idx,
+        SCALE,
+        kv_format=fmt,
+        lengths=lengths,
+        return_lse=True,
+        invalid=invalid,
+        impl=impl,
+    )
+    assert int(invalid) == len(bad)
+    clean = idx.clone()
+    for t, j, _ in bad:
+        clean[t, j] = -1
+    want, want_lse = sparse_mla_reference(q, cache, clean, SCALE, kv_format=fmt, lengths=lengths)
+    assert torch.isfinite(out.float()).all()
+    assert_matches(out, lse, want, want_lse)
+    # without a counter the rule is the same, only nothing is counted
+    again, _ = sparse_mla_forward(q, cache, idx, SCALE, kv_format=fmt, lengths=lengths, impl=impl)
+    assert torch.equal(again, out)
+
+
+def test_invalid_must_be_an_int32_counter():
     args = good_args()
-    args["indices"][1, 3] = 16
-    with pytest.raises(SparseMLAError, match="expected rows < 16"):
-        sparse_mla_reference(**args)
+    with pytest.raises(SparseMLATypeError, match=r"invalid: expected dtype torch\.int32"):
+        sparse_mla_forward(**args, invalid=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(SparseMLAError, match=r"invalid: expected shape \[1\]"):
+        sparse_mla_forward(**args, invalid=torch.zeros(2, dtype=torch.int32))
 
 
 def fake_cuda(monkeypatch, capability, *, b12x=None, supported=True, runner=True):
@@ -383,8 +456,8 @@ def fake_cuda(monkeypatch, capability, *, b12x=None, supported=True, runner=True
     module = None
     if b12x:
         module = type("B12X", (), {"is_supported": staticmethod(lambda device: supported)})
-    monkeypatch.setattr(dispatch, "_b12x_module", lambda: module)
-    monkeypatch.setattr(dispatch, "_b12x_runner", (lambda *a, **k: None) if runner else None)
+    monkeypatch.setattr(forward, "_b12x_module", lambda: module)
+    monkeypatch.setattr(forward, "_b12x_runner", (lambda *a, **k: None) if runner else None)
 
 
 @pytest.mark.parametrize(
@@ -416,12 +489,12 @@ def test_auto_on_cpu_runs_the_reference_and_b12x_gets_validated_tensors(monkeypa
     ref, ref_lse = sparse_mla_reference(**args)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     got = {}
-    monkeypatch.setattr(dispatch, "_resolve", lambda impl, device: "b12x")
-    monkeypatch.setattr(dispatch, "_b12x_runner", lambda *a, **k: got.update(args=a, kw=k))
+    monkeypatch.setattr(forward, "_resolve", lambda impl, device: "b12x")
+    monkeypatch.setattr(forward, "_b12x_runner", lambda *a, **k: got.update(args=a, kw=k))
     sparse_mla_forward(**args)
     q_nope, q_pe = got["args"][:2]
     assert q_nope.shape == (2, 2, 512) and q_pe.shape == (2, 2, 64)
-    assert got["kw"] == {"softmax_scale": SCALE, "kv_format": "bf16"}
+    assert got["kw"] == {"softmax_scale": SCALE, "kv_format": "bf16", "invalid": None}
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
@@ -444,6 +517,7 @@ def test_custom_op_passes_opcheck(impl):
             out,
             lse,
             None,
+            torch.zeros(1, dtype=torch.int32),
             SCALE,
             "fp8_ds_mla",
             impl,
@@ -462,28 +536,32 @@ import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_mla.ops.triton import sparse_mla as k
+from vllm_mla.ops.sparse_mla import triton_kernels as k
 
-INTS = ["T", "H", "K", "split_len", "block_size"]
+INTS = ["m_off", "l_off", "T", "H", "K", "split_len", "block_size", "num_rows"]
 STRIDES = ["s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t", "s_idx", "s_o_t",
            "s_o_h", "s_lse_t"]
-ALIGNED = {"H", "block_size", "s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t",
+ALIGNED = {"s_bt", "H", "block_size", "s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t",
            "s_o_t", "s_o_h"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 report = []
-for arch, fmt, direct in json.loads(sys.argv[1]):
+for arch, fmt, direct, heads in json.loads(sys.argv[1]):
     fp8 = fmt == "fp8_ds_mla"
+    bh = k.block_h(heads)
     sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16",
-           "idx_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if direct else "*fp32",
-           "lse_ptr": "*fp32", "l_ptr": "*fp32", **{n: "i32" for n in INTS},
+           "idx_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if direct else "*u8",
+           "lse_ptr": "*fp32" if direct else "*u8", "l_ptr": "*bf16" if direct else "*u8",
+           "err_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "s_bt": "i32",
+           "bt_width": "i32", **{n: "i32" for n in INTS},
            "qk_scale": "fp32", **{n: "i32" for n in STRIDES}}
-    const = dict(FP8=fp8, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True,
-                 BLOCK_H=k.BLOCK_H, BLOCK_K=k.BLOCK_K, INTERPRET=False)
+    const = dict(FP8=fp8, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True, HAS_ERR=True,
+                 LOGICAL=True,
+                 BLOCK_H=bh, BLOCK_K=k.BLOCK_K, INTERPRET=False)
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n.endswith("_ptr") or n in ALIGNED}
     sig.update({c: "constexpr" for c in const})
-    stages = 1 if arch >= 120 else 2
+    stages = k.num_stages(arch // 10, fp8, bh)
     ck = triton.compile(ASTSource(k._sparse_mla_split_kernel, sig, const, attrs),
                         target=GPUTarget("cuda", arch, 32),
                         options=dict(num_warps=k.NUM_WARPS, num_stages=stages))
@@ -493,34 +571,41 @@ for arch, fmt, direct in json.loads(sys.argv[1]):
             f.write(ck.asm["cubin"]); f.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
                                    capture_output=True, text=True).stdout
-    report.append({"arch": arch, "fmt": fmt, "direct": direct, "shared": ck.metadata.shared,
+    report.append({"arch": arch, "fmt": fmt, "direct": direct, "block_h": bh,
+                   "stages": stages, "shared": ck.metadata.shared,
                    "usage": usage})
 print(json.dumps(report))
 """
 
 
 def test_kernel_compiles_for_gpu_targets():
-    """Lower the split kernel to cubin for sm80/90/120 with Triton's bundled ptxas (no
-    GPU needed): it compiles, fits SM12x's 99 KiB of shared memory and does not spill."""
+    """Lower the split kernel to cubin for sm80/89/90/120 at both head tiles the launcher
+    uses (H=16 -> 16 heads per program, H=128 -> 32) with Triton's bundled ptxas (no GPU
+    needed): it compiles, fits the 99 KiB shared-memory limit (SM12x, SM89) and does not
+    spill."""
     import json
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    cases = [[90, "fp8_ds_mla", False], [120, "fp8_ds_mla", True], [120, "bf16", False]]
-    cases.append([80, "bf16", True])
+    cases = [[90, "fp8_ds_mla", False, 16], [120, "fp8_ds_mla", True, 16]]
+    cases += [[120, "bf16", False, 16], [80, "bf16", True, 16]]
+    cases += [[90, "fp8_ds_mla", False, 128], [120, "fp8_ds_mla", True, 64]]
+    cases += [[80, "fp8_ds_mla", False, 128], [89, "fp8_ds_mla", True, 128]]
+    cases += [[90, "bf16", False, 128], [120, "bf16", False, 64], [89, "bf16", True, 64]]
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", AOT_SCRIPT, json.dumps(cases)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=480,
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(report) == len(cases)
+    assert {r["block_h"] for r in report} == {16, 32}
     for r in report:
         assert r["shared"] <= 99 * 1024, r
         if r["usage"]:
@@ -542,3 +627,41 @@ def test_zero_tokens_and_negative_lengths(impl):
     out, lse, ref, ref_lse = run_both(make_q(2, 2), cache, idx, "bf16", lengths)
     assert_matches(out, lse, ref, ref_lse)
     assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("h", [3, 40])
+def test_logical_indices_are_mapped_in_the_kernel_like_vllms_conversion(fmt, h):
+    """LaunchSite with req_id + block_table: the kernel maps logical top-k positions itself
+    and must equal the physical launch on ``logical_to_physical`` (vLLM's map): -1, other
+    negatives and positions past a request's table are empty; a table entry pointing
+    past the pool is counted by ``invalid`` and read as empty (INDEX_RULE)."""
+    from vllm_mla.ops.sparse_mla import logical_to_physical
+
+    cache = make_cache(fmt)  # 5 blocks of 16
+    bs, t, k = cache.shape[1], 4, 70
+    block_table = torch.tensor([[3, 1, 4, 0], [2, 0, 0, 0], [4, 3, 2, 9]], dtype=torch.int32)
+    req_id = torch.tensor([0, 2, 1, 0, 7], dtype=torch.int32)  # longer than T, as vLLM's
+    gen = torch.Generator().manual_seed(h)
+    logical = torch.randint(0, 4 * bs, (t, k), generator=gen, dtype=torch.int32)
+    logical[:, :3] = torch.tensor([-1, -7, 4 * bs + 5], dtype=torch.int32)
+    logical[1, 3] = 3 * bs + 2  # request 2, block 3 -> page 9: past the 5-page pool
+    q = make_q(t, h, seed=h)
+    q_nope, q_pe = q[..., :512], q[..., 512:]
+    physical = logical_to_physical(req_id[:t], block_table, logical, bs)
+    site = kernels.LaunchSite(cache, h, k, fmt, SCALE, q.dtype)
+    outs, counts = [], []
+    for kwargs in ({"req_id": req_id, "block_table": block_table}, {}):
+        out = torch.empty(t, h, 512, dtype=q.dtype)
+        invalid = torch.zeros(1, dtype=torch.int32)
+        indices = logical if kwargs else physical
+        site.launch(q_nope, q_pe, cache, indices, out, None, invalid=invalid, **kwargs)
+        outs.append(out)
+        counts.append(int(invalid))
+    assert torch.equal(outs[0], outs[1])
+    past_pool = int((physical >= cache.shape[0] * bs).sum())  # request 2's page-9 block
+    assert past_pool > 0 and counts[0] == counts[1] == past_pool
+    emptied = physical.clone()
+    emptied[emptied >= cache.shape[0] * bs] = -1
+    ref, _ = sparse_mla_reference(q, cache, emptied, SCALE, kv_format=fmt)
+    assert_matches(outs[0], None, ref, None)

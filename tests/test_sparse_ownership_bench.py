@@ -20,9 +20,10 @@ def test_sparse_ownership_bench_smoke(tmp_path):
         "prepare returns to the pre-prepare figure",
         "every probe freed (weakrefs)",
         "profiling bytes returned",
-        "old pool, storage and views unreferenced",
+        "old pool and storage unreferenced",
         "prepare after freeze raises",
-        "release(plan) returns the scratch",
+        "the session keeps nothing of the caller's (scratch freed with the caller's ref)",
+        "release(plan) leaves the plan's baseline",
     ):
         assert expected in names, expected
     assert report["replays"] and all(r["ok"] for r in report["replays"])

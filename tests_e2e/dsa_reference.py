@@ -28,7 +28,7 @@ import torch
 
 from vllm_mla.ops import sparse_indexer
 from vllm_mla.ops.sparse_mla import pack_rows
-from vllm_mla.ops.sparse_mla.kv_format import unpack_records
+from vllm_mla.ops.sparse_mla.formats import unpack_records
 
 QUERY_EPS = 1e-10  # vLLM's per_token_group_quant_fp8 default
 

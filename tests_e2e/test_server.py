@@ -123,7 +123,8 @@ def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
     log = serve_one_completion(models["first"], tmp_path)
     # the plugin registered in the serving processes (front end and engine core)
     assert "vllm-mla 0.32" in log and "lifecycle: applied" in log
-    assert "registered B12X_MLA_SPARSE and CUSTOM" in log and "vllm_mla.register()" in log
+    assert "registered B12X_MLA_SPARSE" in log and "vllm_mla.register()" in log
+    assert "and CUSTOM" not in log  # nothing selected the sparse backend: the slot stays free
 
 
 def test_openai_server_serves_a_dsa_model_through_b12x_mla_sparse(sparse_models, tmp_path):
@@ -132,4 +133,6 @@ def test_openai_server_serves_a_dsa_model_through_b12x_mla_sparse(sparse_models,
     assert "sparse-cpu: applied" in log
     # the engine core unpickles the config before it loads plugins: the name travels as CUSTOM
     assert "B12X_MLA_SPARSE is carried in the config as CUSTOM" in log
+    # ...and the engine core, spawned after the claim, registered the slot at plugin load
+    assert "and CUSTOM (VLLM_MLA_SPARSE_CUSTOM=1)" in log
     assert "Sparse Attention is not supported on CPU" not in log

@@ -15,7 +15,7 @@ from vllm.model_executor.layers.attention import mla_attention
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_mla.backends.b12x_sparse import PreparationSession
+from vllm_mla.ops.sparse_mla import PreparationSession
 from vllm_mla.vllm import plugin
 from vllm_mla.vllm.sparse import impl as impl_mod
 from vllm_mla.vllm.sparse import registration
@@ -30,10 +30,34 @@ def canonical(backend, dtype):
 
 
 # -- registration ---------------------------------------------------------------------
-def test_registered_by_name_and_as_custom(registered, caplog):
+def test_registered_by_name_and_custom_left_free(registered):
     assert AttentionBackendEnum["B12X_MLA_SPARSE"].get_class() is B12XMLASparseBackend
-    assert AttentionBackendEnum.CUSTOM.get_class() is B12XMLASparseBackend
+    assert not registration.selects_ours(AttentionBackendEnum.CUSTOM)  # not claimed
     assert "carried as CUSTOM" in registered["sparse"]
+    assert "and CUSTOM" not in registered["sparse"]
+
+
+def test_custom_claimed_when_the_user_opts_in(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_SPARSE_CUSTOM", "1")
+    plugin.reset()
+    monkeypatch.setenv("VLLM_MLA_SPARSE_CUSTOM", "1")  # reset drops a claim it exported
+    try:
+        result = plugin.register()
+        assert AttentionBackendEnum.CUSTOM.get_class() is B12XMLASparseBackend
+        assert "and CUSTOM (VLLM_MLA_SPARSE_CUSTOM=1)" in result["sparse"]
+    finally:
+        plugin.reset()
+
+
+def test_claiming_custom_exports_it_to_later_processes(registered, monkeypatch):
+    import os
+
+    monkeypatch.delenv("VLLM_MLA_SPARSE_CUSTOM", raising=False)
+    assert registration.claim_custom() is None
+    assert registration.selects_ours(AttentionBackendEnum.CUSTOM)
+    assert os.environ["VLLM_MLA_SPARSE_CUSTOM"] == "1"  # what spawned processes inherit
+    registration.unregister_custom()
+    assert "VLLM_MLA_SPARSE_CUSTOM" not in os.environ
 
 
 def test_double_registration_is_a_no_op(registered):
@@ -53,14 +77,15 @@ def test_start_up_line_names_the_custom_fallback(monkeypatch, caplog):
     assert "vllm_mla.register()" in caplog.text and "'backend': 'CUSTOM'" in caplog.text
 
 
-def test_custom_owned_by_another_plugin_is_left_alone(registered):
+def test_custom_owned_by_another_plugin_is_left_alone(registered, monkeypatch):
     registration.unregister_custom()
     register_backend(AttentionBackendEnum.CUSTOM, "other.plugin.Backend")
+    monkeypatch.setenv("VLLM_MLA_SPARSE_CUSTOM", "1")
     try:
         assert "CUSTOM is taken by other.plugin.Backend" in registration.register()
+        assert registration.claim_custom() == "other.plugin.Backend"
     finally:
         AttentionBackendEnum.CUSTOM.clear_override()
-        registration.register()
 
 
 # -- cache dtype ----------------------------------------------------------------------
@@ -76,6 +101,7 @@ def test_fp8_resolves_to_fp8_ds_mla_for_ours_only_and_auto_stays(registered):
         assert canonical(Other, dtype) == dtype  # another backend: unchanged
     assert canonical(B12XMLASparseBackend, "auto") == "auto"
     assert canonical(B12XMLASparseBackend, "bfloat16") == "bfloat16"
+    registration.claim_custom()
     assert canonical(AttentionBackendEnum.CUSTOM.get_class(), "fp8") == "fp8_ds_mla"
 
 
@@ -294,15 +320,6 @@ class SpyKernel:
         return reference(torch.cat(q, -1), rows, indices, scale).bfloat16(), None
 
 
-def real_kernel():
-    """The kernel module when the parallel work has landed it, else None."""
-    try:
-        from vllm_mla.ops import sparse_mla
-    except ImportError:
-        return None
-    return sparse_mla if hasattr(sparse_mla, "sparse_mla_forward") else None
-
-
 @pytest.fixture
 def cpu_session(monkeypatch):
     impl_mod.reset_sessions()
@@ -310,9 +327,8 @@ def cpu_session(monkeypatch):
     impl_mod.reset_sessions()
 
 
-@pytest.mark.parametrize("kernel_kind", ["spy", "real"])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "bfloat16"])
-def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dtype, kernel_kind):
+def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dtype, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     blocks = 4
     kv_c = (torch.randint(-8, 8, (blocks * BLOCK, 512), generator=gen) / 4).float()
@@ -322,11 +338,14 @@ def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dty
         cache = pack_fp8(kv_c, k_pe).view(blocks, BLOCK, 656)
     else:
         cache = decoded.bfloat16().view(blocks, BLOCK, 576)
-    spy = SpyKernel()
-    kernel = spy if kernel_kind == "spy" else real_kernel()
-    if kernel is None:
-        pytest.skip("vllm_mla.ops.sparse_mla has no sparse_mla_forward yet")
-    impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=kernel)
+    converted = []
+    real_convert = impl_mod.convert_to_physical
+
+    def recording(*args, **kwargs):
+        converted.append(real_convert(*args, **kwargs))
+        return converted[-1]
+
+    monkeypatch.setattr(impl_mod, "convert_to_physical", recording)
 
     buf = torch.full((8, TOPK), -1, dtype=torch.int32)
     buf[0, :3] = torch.tensor([0, 65, 3])  # request 1 (blocks 3, 1)
@@ -346,13 +365,15 @@ def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dty
     expected_rows = torch.full((3, TOPK), -1, dtype=torch.int32)
     expected_rows[0, :3] = torch.tensor([3 * 64 + 0, 1 * 64 + 1, 3 * 64 + 3])
     expected_rows[1, :2] = torch.tensor([2 * 64 + 63, 0 * 64 + 0])
-    if kernel is spy:
-        assert torch.equal(spy.indices[-1], expected_rows)
+    assert torch.equal(converted[-1], expected_rows)
     torch.testing.assert_close(
         out.float(), reference(q_full, decoded, expected_rows, 576**-0.5), atol=2e-2, rtol=2e-2
     )
     assert lse is None and out.shape == (3, H, 512)
-    assert impl.kv_binding.bound  # the layer's pool is bound (views only, see core tests)
+    # the call keeps no reference to the pool (a weak one only): dropping it frees it
+    pool = weakref.ref(cache)
+    del cache
+    assert pool() is None
 
 
 def test_scratch_comes_from_vllms_workspace_and_lock_freezes(cpu_session, monkeypatch):
@@ -371,7 +392,9 @@ def test_scratch_comes_from_vllms_workspace_and_lock_freezes(cpu_session, monkey
         impl.process_weights_after_loading(torch.bfloat16)
         impl.reserve_workspace()  # the profile run
         manager = workspace.current_workspace_manager()
-        assert manager._current_workspaces[0].numel() == impl.plan.scratch_bytes
+        # the scratch and the output buffer [max_tokens, H, 512] (bf16), side by side
+        out_bytes = impl.caps.max_tokens * H * 512 * 2
+        assert manager._current_workspaces[0].numel() >= impl.plan.scratch_bytes + out_bytes
         assert impl.plan.scratch_bytes == SpyKernel.scratch_bytes(8192, H, TOPK, kv_format="bf16")
         assert not impl.session.frozen
         workspace.lock_workspace()  # vLLM, after capture
@@ -390,11 +413,13 @@ def test_kv_b_proj_released_only_for_this_backend(
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
     layer = mla_layer("fp8-block")
+    if backend_cls == "custom":  # the user opted in (VLLM_MLA_SPARSE_CUSTOM=1)
+        assert registration.claim_custom() is None
     layer.attn_backend = {
-        "ours": B12XMLASparseBackend,
-        "custom": AttentionBackendEnum.CUSTOM.get_class(),
-        "other": FlashMLASparseBackend,  # control: same flags, not our capability
-    }[backend_cls]
+        "ours": lambda: B12XMLASparseBackend,
+        "custom": AttentionBackendEnum.CUSTOM.get_class,
+        "other": lambda: FlashMLASparseBackend,  # control: same flags, not our capability
+    }[backend_cls]()
     impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=SpyKernel())
     layer.impl = make_impl(buffer=numpy_buffer()[0])
     layer.prefill_backend = None  # what MLAAttention.__init__ sets for this impl
@@ -456,6 +481,23 @@ def test_builder_is_lean_and_reorders_decode_first():
     assert md.block_size == BLOCK and md.topk_tokens == TOPK
 
 
+def test_builder_allocates_no_physical_rows_where_the_triton_kernel_maps_them(monkeypatch):
+    """Where the plan is the Triton kernel (CUDA without b12x) the kernel maps logical rows
+    itself: the [tokens, topk] physical buffer is not allocated (control: reference)."""
+    from vllm_mla.memory import AllocationTrace
+    from vllm_mla.vllm.sparse import metadata
+
+    spec = SimpleNamespace(block_size=BLOCK)
+    sizes = {}
+    for impl in ("triton", "reference"):
+        monkeypatch.setattr(metadata, "select_impl", lambda device, impl=impl: impl)
+        with AllocationTrace("cpu") as trace:
+            builder = metadata.B12XMLASparseMetadataBuilder(spec, ["l0"], builder_config(), "cpu")
+        sizes[impl] = sorted(a.size for a in trace.allocations() if not a.freed)
+        assert (builder.physical_indices_buffer is None) == (impl == "triton")
+    assert sizes == {"triton": [256 * 4], "reference": [256 * 4, 256 * TOPK * 4]}
+
+
 def test_builder_threshold_follows_speculative_decoding():
     from vllm_mla.vllm.sparse.metadata import B12XMLASparseMetadataBuilder
 
@@ -490,30 +532,46 @@ def test_real_backend_releases_and_vllm_reload_regenerates_in_place(
         assert torch.equal(ours, theirs)
 
 
-class PreallocatedKernel(SpyKernel):
-    """Returns one output allocated up front: whatever allocates is the impl's own work."""
-
-    def __init__(self, out):
-        super().__init__()
-        self.out = out
-
-    def sparse_mla_forward(self, q, kv_cache, indices, scale, **kwargs):
-        return self.out[: indices.shape[0]], None
-
-
 def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
-    """Selection, physical rows (into the builder's buffer), binding and scratch reuse
-    allocate nothing per layer-step. On CUDA the physical rows come from vLLM's Triton
-    kernel writing into ``out``; here that contract is stood in (a copy into ``out``), and
-    the CPU torch conversion is checked separately: its temporaries die inside the call."""
-    from vllm_mla.memory import AllocationTrace
+    """Selection, the bound call, its launch and the output (a view of vLLM's workspace)
+    allocate nothing per layer-step. The device kernels are stubbed at the Triton kernel
+    objects (our launch Python runs). Triton plan: the kernel maps the logical top-k
+    itself, so no conversion runs and no physical-row buffer is used. b12x plan (physical
+    rows): on CUDA vLLM's Triton conversion writes into the builder's buffer (stood in
+    here by a copy into ``out``); the CPU torch conversion is checked separately: its
+    temporaries die inside the call."""
+    from vllm.v1.worker import workspace
 
+    from vllm_mla.memory import AllocationTrace
+    from vllm_mla.ops.sparse_mla import triton_kernels
+
+    convert_to_physical = impl_mod.convert_to_physical
+    if not torch.accelerator.is_available():
+        monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    launches, recording = [], []
+
+    class Recorder:  # stands in for a @triton.jit kernel: kernel[grid](*args) records
+        def __getitem__(self, grid):  # (only once recording: probes must die in prepare)
+            return lambda *args, **kw: recording and launches.append((grid, args, kw))
+
+    monkeypatch.setattr(triton_kernels, "_sparse_mla_split_kernel", Recorder())
+    monkeypatch.setattr(triton_kernels, "_sparse_mla_combine_kernel", Recorder())
+    from vllm_mla import envs
+
+    monkeypatch.setattr(envs, "triton_interpret", lambda: True)  # impl='triton' on CPU tensors
+    from vllm_mla.ops.sparse_mla import forward
+
+    # b12x needs an SM12x GPU: resolved as asked, its runner absent -> our Triton launch
+    monkeypatch.setattr(forward, "_resolve", lambda impl, device: impl)
     tokens = 4
     buf = torch.full((8, TOPK), -1, dtype=torch.int32)
     buf[:tokens, :2] = torch.tensor([0, 65])
-    kernel = PreallocatedKernel(torch.zeros(8, H, 512, dtype=torch.bfloat16))
-    impl_mod._sessions[torch.device("cpu")] = PreparationSession("cpu", kernel=kernel)
     impl = make_impl("bfloat16", indexer=SimpleNamespace(topk_indices_buffer=buf), buffer=buf)
+    impl.process_weights_after_loading(torch.bfloat16)
+    impl.plan = impl.session.plan(impl.caps, impl="triton")  # the GPU's implementation
+    b12x_plan = impl.session.plan(impl.caps, impl="b12x")
+    for plan in (impl.plan, b12x_plan):  # as post-load prepares the plan it picks
+        impl.session.prepare(plan)
     cache = torch.zeros(4, BLOCK, 576, dtype=torch.bfloat16)
     metadata = SimpleNamespace(
         req_id_per_token=torch.zeros(8, dtype=torch.int32),
@@ -524,23 +582,54 @@ def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
     )
     q_full = torch.randn(tokens, H, 576).bfloat16()
     q = (q_full[..., :512], q_full[..., 512:])
-    impl.forward_mqa(q, cache, metadata, layer=None)  # first call binds the KV pool
-    assert metadata.physical_indices[0, :2].tolist() == [2 * 64, 1]  # written in place
-    with AllocationTrace("cpu") as trace:
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        impl.reserve_workspace()  # the profile run
+        workspace.lock_workspace()
+        impl.forward_mqa(q, cache, metadata, layer=None)  # first call validates and binds
+        recording.append(True)
+
+        def no_conversion(*args, **kwargs):
+            raise AssertionError("the Triton plan converted logical rows on the host side")
+
+        monkeypatch.setattr(impl_mod, "convert_to_physical", no_conversion)
+        with AllocationTrace("cpu") as trace:
+            for _ in range(3):
+                out, _ = impl.forward_mqa(q, cache, metadata, layer=None)
+        assert trace.allocations() == []
+        splits = [args for _, args, kw in launches if "LOGICAL" in kw]
+        assert len(splits) == 3 and all(kw["LOGICAL"] for _, _, kw in launches if "LOGICAL" in kw)
+        idx, req_id, table = splits[-1][3], splits[-1][9], splits[-1][10]
+        assert idx.data_ptr() == buf.data_ptr() and idx.shape == (tokens, TOPK)  # logical
+        assert req_id is metadata.req_id_per_token and table is metadata.block_table
+        # the output is the workspace's buffer, not a new tensor
+        _, out_buffer = impl._workspace()
+        assert out.data_ptr() == out_buffer.data_ptr() and out.shape == (tokens, H, 512)
+
+        # b12x plan (no runner on CPU: the Triton launch on physical rows)
+        monkeypatch.setattr(impl_mod, "convert_to_physical", convert_to_physical)
+        impl.plan, impl._call = b12x_plan, None
         impl.forward_mqa(q, cache, metadata, layer=None)
-    assert trace.persistent_bytes() == 0  # CPU conversion: temporaries only
-    expected = metadata.physical_indices[:tokens].clone()
-
-    def cuda_contract(*args, out=None):  # vLLM's Triton conversion: into out, else a new tensor
-        return expected.clone() if out is None else out.copy_(expected)
-
-    monkeypatch.setattr(impl_mod, "convert_to_physical", cuda_contract)
-    with AllocationTrace("cpu") as trace:
-        for _ in range(3):
+        assert metadata.physical_indices[0, :2].tolist() == [2 * 64, 1]  # written in place
+        with AllocationTrace("cpu") as trace:
             impl.forward_mqa(q, cache, metadata, layer=None)
-    assert trace.allocations() == []
-    # control: without the builder's buffer every step allocates its physical rows
-    del metadata.physical_indices
-    with AllocationTrace("cpu") as trace:
-        impl.forward_mqa(q, cache, metadata, layer=None)
-    assert [a.size for a in trace.allocations()] == [tokens * TOPK * 4]
+        assert trace.persistent_bytes() == 0  # CPU conversion: temporaries only
+        expected = metadata.physical_indices[:tokens].clone()
+
+        def cuda_contract(*args, out=None):  # vLLM's conversion: into out, else a new tensor
+            return expected.clone() if out is None else out.copy_(expected)
+
+        monkeypatch.setattr(impl_mod, "convert_to_physical", cuda_contract)
+        with AllocationTrace("cpu") as trace:
+            for _ in range(3):
+                impl.forward_mqa(q, cache, metadata, layer=None)
+        assert trace.allocations() == []
+        logical_flags = [kw["LOGICAL"] for _, _, kw in launches if "LOGICAL" in kw]
+        assert logical_flags[-3:] == [False] * 3  # physical rows
+        # control: without the builder's buffer every step allocates its physical rows
+        del metadata.physical_indices
+        with AllocationTrace("cpu") as trace:
+            impl.forward_mqa(q, cache, metadata, layer=None)
+        assert [a.size for a in trace.allocations()] == [tokens * TOPK * 4]
+    finally:
+        workspace.reset_workspace_manager()

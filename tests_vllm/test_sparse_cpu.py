@@ -108,6 +108,11 @@ def test_the_cpu_platform_lets_our_sparse_backend_through(registered):
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from vllm_mla.vllm.sparse import registration
+
+    with pytest.raises(NotImplementedError, match="Sparse Attention is not supported"):
+        CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, selector())  # unclaimed
+    registration.claim_custom()
     for member in (AttentionBackendEnum["B12X_MLA_SPARSE"], AttentionBackendEnum.CUSTOM):
         assert CpuPlatform.get_attn_backend_cls(member, selector()) == CLASS_PATH
     with pytest.raises(NotImplementedError, match="Sparse Attention is not supported"):

@@ -66,6 +66,12 @@ def reset() -> None:
     from vllm_mla.vllm import patches
 
     patches.revert()
+    try:
+        from vllm_mla.vllm.sparse import registration
+
+        registration.unregister_custom()
+    except ImportError:  # vLLM not importable: nothing was registered
+        pass
     _result = None
 
 

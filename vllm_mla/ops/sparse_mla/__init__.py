@@ -1,4 +1,13 @@
-"""Sparse MLA (absorbed / MQA form) over top-k physical KV rows.
+"""Sparse MLA (absorbed / MQA form) over top-k physical KV rows: the whole op, no vLLM.
+
+Modules: ``formats`` (cache records, constants, errors), ``validate`` (the argument
+contract), ``reference`` (torch), ``triton_kernels`` (split-K kernels, split plan,
+scratch sizing), ``forward`` (``sparse_mla_forward``, implementation choice, custom op),
+``b12x_runner`` (b12x's SM12x kernels behind the same contract), ``preparation``
+(plan -> prepare -> bind -> run -> release, the bound decode call), ``selection``
+(top-k buffer ownership, logical -> physical rows). The vLLM backend is
+``vllm_mla.vllm.sparse``.
+
 
 Contract: ``q [T, H, 576]`` (or ``(q_nope [T, H, 512], q_pe [T, H, 64])``, any strides
 with a contiguous last dim), bf16 or fp32; ``kv_cache [num_blocks, block_size, record]``
@@ -10,7 +19,23 @@ a row with no valid index gives out 0, lse -inf. fp32 accumulation everywhere;
 Triton vs reference within ``OUT_REL_ERR`` / ``LSE_ABS_ERR``.
 """
 
-from vllm_mla.ops.sparse_mla.dispatch import (
+from vllm_mla.ops.sparse_mla.formats import (
+    FP8_DS_MLA_RECORD,
+    HEAD_DIM,
+    KV_FORMATS,
+    LATENT,
+    ROPE,
+    SparseMLAError,
+    SparseMLANotPrepared,
+    SparseMLATypeError,
+    pack_bf16,
+    pack_fp8_ds_mla,
+    pack_rows,
+    record_bytes,
+    record_width,
+    unpack_rows,
+)
+from vllm_mla.ops.sparse_mla.forward import (
     IMPLS,
     LSE_ABS_ERR,
     OUT_REL_ERR,
@@ -21,33 +46,55 @@ from vllm_mla.ops.sparse_mla.dispatch import (
     select_impl,
     sparse_mla_forward,
 )
-from vllm_mla.ops.sparse_mla.kv_format import (
-    KV_FORMATS,
-    SparseMLAError,
-    SparseMLANotPrepared,
-    SparseMLATypeError,
-    pack_bf16,
-    pack_fp8_ds_mla,
-    pack_rows,
-    record_bytes,
-    unpack_rows,
+from vllm_mla.ops.sparse_mla.preparation import (
+    PlanReleased,
+    PreparationError,
+    PreparationFrozen,
+    PreparationSession,
+    ProbeRetained,
+    SparseMLABinding,
+    SparseMLACaps,
+    SparseMLAPlan,
+    plan,
 )
 from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
+from vllm_mla.ops.sparse_mla.selection import (
+    SelectionUnavailable,
+    TopkSelection,
+    logical_to_physical,
+)
 
 __all__ = [
+    "FP8_DS_MLA_RECORD",
+    "HEAD_DIM",
     "IMPLS",
     "KV_FORMATS",
+    "LATENT",
     "LSE_ABS_ERR",
     "OUT_REL_ERR",
+    "ROPE",
+    "PlanReleased",
+    "PreparationError",
+    "PreparationFrozen",
+    "PreparationSession",
+    "ProbeRetained",
+    "SelectionUnavailable",
+    "SparseMLABinding",
+    "SparseMLACaps",
     "SparseMLAError",
     "SparseMLANotPrepared",
+    "SparseMLAPlan",
     "SparseMLATypeError",
+    "TopkSelection",
     "compiled_variants",
+    "logical_to_physical",
     "pack_bf16",
     "pack_fp8_ds_mla",
     "pack_rows",
+    "plan",
     "prewarm",
     "record_bytes",
+    "record_width",
     "register_b12x_runner",
     "scratch_bytes",
     "select_impl",

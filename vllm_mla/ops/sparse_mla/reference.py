@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mla.ops.sparse_mla.kv_format import LATENT, SparseMLAError, unpack_rows
+from vllm_mla.ops.sparse_mla.formats import LATENT, cache_rows, unpack_rows
 from vllm_mla.ops.sparse_mla.validate import Query, validate
 
 _CHUNK_ELEMS = 1 << 27  # gathered fp32 values per token chunk (~512 MiB), bounds memory
@@ -18,21 +18,24 @@ def sparse_mla_reference(
     *,
     kv_format: str,
     lengths: torch.Tensor | None = None,
+    invalid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, 512] in q's dtype, lse [T, H] fp32)`` computed in fp32.
 
-    Index ``indices[t, j]`` counts when it is >= 0 and ``j < lengths[t]``; a row with
-    none gets out 0 and lse -inf. Valid indices must lie inside the cache (checked).
+    Index ``indices[t, j]`` counts when it is in ``[0, cache rows)`` and ``j < lengths[t]``;
+    a row with none gets out 0 and lse -inf. Out-of-range indices follow ``INDEX_RULE``
+    (empty, counted into ``invalid`` when given).
     """
-    args = validate(q, kv_cache, indices, kv_format=kv_format, lengths=lengths)
+    args = validate(q, kv_cache, indices, kv_format=kv_format, lengths=lengths, invalid=invalid)
     t, h, k = args.num_tokens, args.num_heads, args.topk
-    valid = indices >= 0
+    live = torch.ones_like(indices, dtype=torch.bool)
     if lengths is not None:
-        valid &= torch.arange(k, device=indices.device)[None, :] < lengths[:, None].long()
+        live &= torch.arange(k, device=indices.device)[None, :] < lengths[:, None].long()
+    in_range = (indices >= -1) & (indices < cache_rows(kv_cache))
+    if invalid is not None:
+        invalid += (live & ~in_range).sum().to(torch.int32)
+    valid = live & in_range & (indices >= 0)
     rows = torch.where(valid, indices, 0).long()
-    num_rows = kv_cache.shape[0] * kv_cache.shape[1]
-    if t and bool((rows >= num_rows).any()):
-        raise SparseMLAError(f"indices: expected rows < {num_rows} (cache rows), got larger")
     out = torch.zeros(t, h, LATENT, dtype=torch.float32, device=indices.device)
     lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=indices.device)
     step = max(1, _CHUNK_ELEMS // (k * (LATENT + 64)))

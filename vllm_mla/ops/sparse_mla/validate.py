@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_mla.ops.sparse_mla.kv_format import (
+from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
     ROPE,
     SparseMLAError,
@@ -82,6 +82,7 @@ def validate(
     lengths: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    invalid: torch.Tensor | None = None,
 ) -> Args:
     """Check every argument against the contract; raise a typed, named error otherwise."""
     q_nope, q_pe = split_q(q)
@@ -102,6 +103,8 @@ def validate(
     if lse is not None:
         named.append(("lse", _tensor("lse", lse, (torch.float32,), (t, h))))
         _contiguous_last("lse", lse)
+    if invalid is not None:
+        named.append(("invalid", _tensor("invalid", invalid, (torch.int32,), (1,))))
     for name, x in named:
         if x.device != q_nope.device:
             raise SparseMLAError(f"{name}: expected device {q_nope.device} (q's), got {x.device}")

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from vllm_mla import envs
+from vllm_mla.ops.capture import capturing
 from vllm_mla.ops.query_projection import MXFP8Weight, QueryProjectionNotPrewarmed
 from vllm_mla.ops.triton.absorbed_bmm import absorbed_bmm_kernel
 from vllm_mla.ops.triton.query_projection import mla_query_projection_kernel
@@ -27,13 +28,9 @@ def _tiles(m: int, latent: int, interpret: bool) -> tuple[int, int]:
     return block_m, block_l
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _check_compiled(key: tuple, device: torch.device, what: str) -> None:
     """Raise instead of compiling a new variant while the stream is being captured."""
-    if key not in _compiled and _capturing(device):
+    if key not in _compiled and capturing(device):
         raise QueryProjectionNotPrewarmed(
             f"{what} was not compiled before CUDA-graph capture: run every captured M "
             "once outside capture first (vllm_mla.ops.prewarm / a warm-up step)"

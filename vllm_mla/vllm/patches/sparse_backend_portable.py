@@ -7,10 +7,12 @@ member into the config. A process that unpickles the config before it loads gene
 plugins (vLLM's engine core on CPU, spawned workers, Ray) cannot resolve that member and
 fails with "... is not a valid AttentionBackendEnum".
 How: the original runs unchanged (it is called once, from ``VllmConfig.__post_init__``,
-in the process that parsed the arguments); then, when the backend is the named member
-and vLLM's ``CUSTOM`` slot is registered to the same class (the plugin does both), the
-config carries ``CUSTOM`` instead: every process resolves it, and its plugin load maps
-it to B12X_MLA_SPARSE. Logged once.
+in the process that parsed the arguments); then, when the backend is the named member,
+vLLM's ``CUSTOM`` slot is claimed for the same class (``registration.claim_custom``: only
+now, when this backend is really selected; it also exports ``VLLM_MLA_SPARSE_CUSTOM=1``
+so processes spawned later claim it at their plugin load) and the config carries
+``CUSTOM`` instead: every process resolves it. When another plugin owns CUSTOM the name
+stays (and a warning says processes that unpickle early may fail). Logged once.
 Removal: when vLLM loads general plugins before it builds or unpickles configs.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from vllm_mla.vllm.sparse.registration import NAME, selects_ours
+from vllm_mla.vllm.sparse.registration import NAME, claim_custom
 
 logger = logging.getLogger("vllm_mla")
 
@@ -35,13 +37,20 @@ def make_try_verify_and_update_config(original: Callable) -> Callable:
             return
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        custom = AttentionBackendEnum.CUSTOM
-        if selects_ours(custom):
-            attention.backend = custom
-            logger.info(
-                "vllm-mla: %s is carried in the config as CUSTOM (registered to the same "
-                "class) so processes that unpickle it before loading plugins resolve it",
+        owner = claim_custom()
+        if owner is not None:
+            logger.warning(
+                "vllm-mla: %s stays named in the config (CUSTOM belongs to %s); a process "
+                "that unpickles the config before loading plugins cannot resolve it",
                 NAME,
+                owner,
             )
+            return
+        attention.backend = AttentionBackendEnum.CUSTOM
+        logger.info(
+            "vllm-mla: %s is carried in the config as CUSTOM (registered to the same "
+            "class) so processes that unpickle it before loading plugins resolve it",
+            NAME,
+        )
 
     return try_verify_and_update_config

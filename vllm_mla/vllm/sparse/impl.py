@@ -29,16 +29,17 @@ import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.v1.attention.backend import AttentionType, MLAAttentionImpl
 
-from vllm_mla.backends.b12x_sparse import (
-    CacheWriterFormat,
-    LayerKVBinding,
+from vllm_mla.ops.sparse_mla import (
+    LATENT,
     PreparationSession,
     SparseMLACaps,
     SparseMLAPlan,
     TopkSelection,
+    b12x_runner,
     logical_to_physical,
+    pack_rows,
 )
-from vllm_mla.ops.sparse_mla import b12x_runner, pack_rows
+from vllm_mla.ops.sparse_mla.preparation import BoundCall
 from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.sparse.backend import NAME
 
@@ -168,11 +169,11 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         b12x_runner.install()
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
         self.caps = self._declare_caps(num_heads, topk_indices_buffer, indexer)
-        self.kv_binding = LayerKVBinding(
-            "b12x_sparse", CacheWriterFormat(self.kv_format, self.caps.block_size)
-        )
         self.plan: SparseMLAPlan | None = None
         self.session: PreparationSession | None = None
+        self._call: BoundCall | None = None
+        self._locked_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- selection: only the indexer reference when the indexer owns the buffer ------
     def init_topk_indices_buffer(
@@ -230,10 +231,15 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     def _bind_plan(self, device: torch.device) -> PreparationSession:
         self.session = session_for(device)
         self.plan = plan_for(device, self.caps)
+        self._call = None  # the next forward binds a call to this plan
+        self._locked_buffers = None
+        self._step_buffers = {}
         return self.session
 
     def reserve_workspace(self) -> None:
-        """Profile run: grow vLLM's shared workspace to this plan's scratch."""
+        """Profile run: grow vLLM's shared workspace to this plan's scratch and output
+        buffer (upstream's sparse impls reserve a ``[max_tokens, H, 576]`` q buffer there;
+        this impl needs none, since it reads the split query in place)."""
         self._scratch()
 
     def prepare_for_batch(self, attn_metadata: Any) -> None:
@@ -267,7 +273,12 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         write_records(kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_format)
         telemetry.record_sparse(f"kv_write:{self.kv_format}")
 
-    def _scratch(self) -> torch.Tensor | None:
+    def _workspace(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scratch, out buffer [max_tokens, H, 512]) from vLLM's shared workspace, or None
+        without one (then the call allocates its output). Once vLLM locks the workspace
+        (after capture) the views are kept: it no longer moves."""
+        if self._locked_buffers is not None:
+            return self._locked_buffers
         from vllm.v1.worker.workspace import (
             current_workspace_manager,
             is_workspace_manager_initialized,
@@ -276,10 +287,33 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         if self.plan is None or self.session is None or not is_workspace_manager_initialized():
             return None
         manager = current_workspace_manager()
-        if manager.is_locked() and not self.session.frozen:
+        locked = manager.is_locked()
+        if locked and not self.session.frozen:
             self.session.freeze()  # vLLM locks its workspace after capture: compiling is over
-        (scratch,) = manager.get_simultaneous(((self.plan.scratch_bytes,), torch.uint8))
-        return scratch
+        caps = self.caps
+        buffers = manager.get_simultaneous(
+            ((max(self.plan.scratch_bytes, 16),), torch.uint8),
+            ((caps.max_tokens, caps.num_heads, LATENT), caps.q_dtype),
+        )
+        if locked:
+            self._locked_buffers = buffers
+        return buffers
+
+    def _scratch(self) -> torch.Tensor | None:
+        buffers = self._workspace()
+        return None if buffers is None else buffers[0]
+
+    def _buffers(self, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        hit = self._step_buffers.get(num_tokens)  # filled once the workspace is locked
+        if hit is not None:
+            return hit
+        buffers = self._workspace()
+        if buffers is None:
+            return None, None
+        step = (buffers[0], buffers[1][:num_tokens])
+        if self._locked_buffers is not None:  # locked: the views never move again
+            self._step_buffers[num_tokens] = step
+        return step
 
     # -- forward ----------------------------------------------------------------------
     def forward_mqa(
@@ -289,12 +323,34 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         attn_metadata: Any,
         layer: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sparse attention of all tokens: (out [T, H, 512], None)."""
-        if not isinstance(q, tuple):  # fused [T, H, 576]: split as views, no copy
-            q = (q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :])
-        num_tokens = q[0].shape[0]
-        self.kv_binding.sync(kv_c_and_k_pe_cache)
+        """Sparse attention of all tokens: (out [T, H, 512], None).
+
+        Three hops to the launch: here -> ``BoundCall.run`` -> the kernel's launch. The
+        output is a view of vLLM's shared workspace (consumed by the V up-projection
+        before any other layer runs), so a step allocates nothing. With the Triton plan
+        the kernel maps the logical top-k through the block table itself (no conversion
+        kernel, no physical-row buffer); b12x and the reference take physical rows.
+        """
+        if isinstance(q, tuple):
+            q_nope, q_pe = q
+        else:  # fused [T, H, 576]: split as views, no copy
+            q_nope, q_pe = q[..., :LATENT], q[..., LATENT:]
+        num_tokens = q_nope.shape[0]
         logical = self._selection.resolve(num_tokens)
+        call = self._call
+        if call is None:
+            call = self._bind_call(kv_c_and_k_pe_cache, attn_metadata.block_size)
+        telemetry.record_sparse(self._forward_event)
+        if call.maps_logical:
+            out = call.run(
+                q_nope,
+                q_pe,
+                kv_c_and_k_pe_cache,
+                logical,
+                attn_metadata.req_id_per_token,
+                attn_metadata.block_table,
+            )
+            return out, None
         rows = getattr(attn_metadata, "physical_indices", None)  # the builder's buffer
         physical = convert_to_physical(
             attn_metadata.req_id_per_token[:num_tokens],
@@ -303,18 +359,21 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             attn_metadata.block_size,
             out=None if rows is None else rows[:num_tokens, : logical.shape[1]],
         )
-        session = self.session
-        if session is None or self.plan is None:  # post-load did not run (impl alone)
-            session = self._bind_plan(kv_c_and_k_pe_cache.device)
-        binding = session.bind(
-            self.plan,  # type: ignore[arg-type]
-            scratch=self._scratch(),
-            q=q,
-            kv_cache=kv_c_and_k_pe_cache,
-            indices=physical,
+        return call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical), None
+
+    def _bind_call(self, kv_cache: torch.Tensor, block_size: int) -> BoundCall:
+        if block_size != kv_cache.shape[1]:
+            raise ValueError(
+                f"sparse MLA: attn_metadata.block_size {block_size} != the KV cache's block "
+                f"size {kv_cache.shape[1]} (kv_cache {tuple(kv_cache.shape)})"
+            )
+        if self.session is None or self.plan is None:  # post-load did not run (impl alone)
+            self._bind_plan(kv_cache.device)
+        self._forward_event = f"forward_mqa:{self.plan.impl}"  # type: ignore[union-attr]
+        self._call = self.session.bound_call(  # type: ignore[union-attr]
+            self.plan, softmax_scale=self.scale, buffers=self._buffers
         )
-        telemetry.record_sparse(f"forward_mqa:{self.plan.impl}")  # type: ignore[union-attr]
-        return session.run(binding, softmax_scale=self.scale)
+        return self._call
 
 
 def write_records(
@@ -347,19 +406,30 @@ def convert_to_physical(
     """Logical top-k -> physical rows ``block * block_size + offset`` (-1 kept), into
     ``out`` when given (no allocation: the metadata builder owns the buffer)."""
     if logical.is_cuda:
-        from vllm.v1.attention.backends.mla.sparse_utils import (
-            triton_convert_req_index_to_global_index,
-        )
-
-        return triton_convert_req_index_to_global_index(
-            req_id,
-            block_table,
-            logical,
-            BLOCK_SIZE=block_size,
-            NUM_TOPK_TOKENS=logical.shape[1],
-            out=out,
-        )
+        return convert_with_vllm(req_id, block_table, logical, block_size, out)
     return logical_to_physical(req_id, block_table, logical, block_size, out=out)
+
+
+def convert_with_vllm(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    logical: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``convert_to_physical`` on CUDA: vLLM's Triton conversion kernel."""
+    from vllm.v1.attention.backends.mla.sparse_utils import (
+        triton_convert_req_index_to_global_index,
+    )
+
+    return triton_convert_req_index_to_global_index(
+        req_id,
+        block_table,
+        logical,
+        BLOCK_SIZE=block_size,
+        NUM_TOPK_TOKENS=logical.shape[1],
+        out=out,
+    )
 
 
 def _device_of(module: Any) -> torch.device:

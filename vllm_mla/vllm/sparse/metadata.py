@@ -3,9 +3,11 @@
 Subclasses ``AttentionMetadataBuilder`` directly (not ``SparseMLACommonMetadataBuilder``)
 so that it allocates no chunked-prefill workspace (~72 MiB) and no top-k mask
 workspace: every token goes through ``forward_mqa``, so ``prefill`` is always None.
-It owns two int32 buffers: ``max_num_batched_tokens`` token -> request indices, and
+It owns int32 buffers: ``max_num_batched_tokens`` token -> request indices, and, only
+where the device's kernel takes physical rows (b12x, the reference),
 ``[max_num_batched_tokens, topk]`` physical rows (each layer converts its logical top-k
-into it right before its kernel, so no step allocates them), and calls
+into it right before its kernel, so no step allocates them; the Triton kernel maps
+logical rows itself, so that 4 x tokens x topk-byte buffer is not allocated), and calls
 ``_init_reorder_batch_threshold`` so vLLM reorders batches decode-first.
 """
 
@@ -18,6 +20,8 @@ import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonMetadata
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from vllm_mla.ops.sparse_mla import select_impl
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,9 +54,11 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
         self.topk_tokens: int = int(hf.index_topk)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.req_id_per_token_buffer = torch.empty((max_tokens,), dtype=torch.int32, device=device)
-        self.physical_indices_buffer = torch.empty(
-            (max_tokens, self.topk_tokens), dtype=torch.int32, device=device
-        )
+        self.physical_indices_buffer: torch.Tensor | None = None
+        if select_impl(device) != "triton":  # the impl's plan takes physical rows
+            self.physical_indices_buffer = torch.empty(
+                (max_tokens, self.topk_tokens), dtype=torch.int32, device=device
+            )
         # Decode-first order: short queries (and spec-decode drafts) form the front of
         # the batch; without this call vLLM does not reorder for this builder.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
@@ -83,7 +89,6 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
             num_decodes=num_decodes,
             num_prefills=num_prefills,
             num_decode_tokens=num_decode_tokens,
-            decode_max_query_len=_decode_max_query_len(cam, num_decodes, num_prefills),
             prefill=None,
             physical_indices=self.physical_indices_buffer,
         )
@@ -104,11 +109,3 @@ def token_to_request(cam: CommonAttentionMetadata, buffer: torch.Tensor) -> torc
     count = min(num_tokens, mapped.numel())
     out[:count] = mapped[:count].to(out.dtype)
     return out
-
-
-def _decode_max_query_len(cam: CommonAttentionMetadata, num_decodes: int, prefills: int) -> int:
-    if num_decodes == 0:
-        return 0
-    if prefills == 0:
-        return cam.max_query_len
-    return int(torch.diff(cam.query_start_loc_cpu[: num_decodes + 1]).max().item())

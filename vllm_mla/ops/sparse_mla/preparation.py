@@ -1,6 +1,6 @@
 """Sparse-MLA preparation with explicit ownership: plan -> prepare -> bind -> run -> release.
 
-Guarantees (each checked by a test in tests/test_b12x_sparse_preparation.py):
+Guarantees (each checked by a test in tests/test_sparse_mla_preparation.py):
 
 - ``plan(caps)`` is declarative: it computes the scratch size and the launch variants
   to prepare, and allocates nothing.
@@ -16,8 +16,11 @@ Guarantees (each checked by a test in tests/test_b12x_sparse_preparation.py):
   alignment, which a plan cannot).
 - ``bind(plan, scratch=, q=, kv_cache=, indices=, lengths=)`` holds only the
   caller-owned live inputs; ``run(binding)`` launches on them.
-- ``release(plan)`` drops the session's scratch and prepared variants for the plan;
-  bindings of a released plan raise ``PlanReleased``.
+- ``release(plan)`` drops the prepared variants of the plan; bindings and bound calls
+  of a released plan raise ``PlanReleased``. Scratch is always caller-owned.
+- ``bound_call(plan, ...)`` is the decode-step entry: everything fixed for a launch site
+  is checked once (the first call, and again when the KV pool changes), then every
+  step costs a few comparisons and one launch: no allocation, no sort, no set.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ from typing import Any
 
 import torch
 
-from vllm_mla.ops.sparse_mla.kv_format import SparseMLANotPrepared as KernelNotPrepared
+from vllm_mla.ops.capture import capturing
+from vllm_mla.ops.sparse_mla.formats import (
+    HEAD_DIM,
+    KV_FORMATS,
+    LATENT,
+    SparseMLANotPrepared,
+    record_width,
+)
 from vllm_mla.ops.sparse_mla.validate import Q_DTYPES
 
-LATENT = 512  # kv_lora_rank L: the value/output width
-ROPE = 64  # qk_rope_head_dim R
-HEAD_SIZE = LATENT + ROPE  # 576: the MQA query/key width
-FP8_DS_MLA_RECORD = 656  # bytes: 512 e4m3 + 4 fp32 scales + 64 bf16 k_pe
-KV_FORMATS = ("fp8_ds_mla", "bf16")
 KERNEL_MODULE = "vllm_mla.ops.sparse_mla"
 # Implementations with nothing to compile: prepare records their variants without
 # probes (full-capacity probes through plain torch would be huge and useless).
@@ -53,13 +58,6 @@ class PreparationError(RuntimeError):
 
 class PreparationFrozen(PreparationError):
     """``prepare`` was called after ``freeze()``."""
-
-
-class SparseMLANotPrepared(PreparationError, KernelNotPrepared):
-    """A launch needs a variant that was never prepared (frozen session or capture).
-
-    A subclass of the kernel module's error of the same name, so one ``except`` of
-    ``vllm_mla.ops.sparse_mla.SparseMLANotPrepared`` catches both."""
 
 
 class ProbeRetained(PreparationError):
@@ -127,15 +125,6 @@ class SparseMLACaps:
         raise ValueError(
             f"{num_tokens} tokens exceed the declared capacity max_tokens={self.max_tokens}"
         )
-
-
-def record_width(kv_format: str) -> tuple[int, torch.dtype]:
-    """(elements per cache row, element dtype) of a cache format."""
-    if kv_format == "fp8_ds_mla":
-        return FP8_DS_MLA_RECORD, torch.uint8
-    if kv_format == "bf16":
-        return HEAD_SIZE, torch.bfloat16
-    raise ValueError(f"kv_format: expected one of {KV_FORMATS}, got {kv_format!r}")
 
 
 def load_kernel() -> ModuleType:
@@ -209,10 +198,6 @@ class SparseMLABinding:
         return (self.q[0] if isinstance(self.q, tuple) else self.q).shape[0]
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 class PreparationSession:
     """Owns prepared variants and (optionally) per-plan scratch; see the module docstring.
 
@@ -231,7 +216,6 @@ class PreparationSession:
         self._kernel = kernel
         self._observer = probe_observer
         self._prepared: dict[int, set[tuple]] = {}
-        self._scratch: dict[int, torch.Tensor] = {}
         self._released: set[int] = set()
         self._frozen = False
         self._frozen_variants: int | None = None
@@ -287,11 +271,11 @@ class PreparationSession:
         blocks = -(-caps.topk // caps.block_size)
         rows = blocks * caps.block_size
         if caps.split_query:
-            full = torch.randn(num_tokens, caps.num_heads, HEAD_SIZE, generator=gen)
+            full = torch.randn(num_tokens, caps.num_heads, HEAD_DIM, generator=gen)
             full = full.to(device=self.device, dtype=caps.q_dtype)
             q: Any = (full[..., :LATENT], full[..., LATENT:])  # strided like vLLM's
         else:
-            full = torch.randn(num_tokens, caps.num_heads, HEAD_SIZE, generator=gen)
+            full = torch.randn(num_tokens, caps.num_heads, HEAD_DIM, generator=gen)
             q = full = full.to(device=self.device, dtype=caps.q_dtype)
         if cache_dtype == torch.uint8:
             kv = torch.zeros(blocks, caps.block_size, width, dtype=cache_dtype, device=self.device)
@@ -315,18 +299,41 @@ class PreparationSession:
             q,
             kv,
             idx,
-            HEAD_SIZE**-0.5,
+            HEAD_DIM**-0.5,
             kv_format=caps.kv_format,
             lengths=lengths,
             scratch=scratch,
             return_lse=caps.return_lse,
             impl=plan.impl,
         )
+        if plan.impl == "triton":  # the bound decode call's variant: logical rows mapped
+            self._probe_logical(plan, q, kv, idx.clamp(min=-1), scratch, probes)
+
+    def _probe_logical(self, plan, q, kv, logical, scratch, probes) -> None:
+        """Launch the variant ``BoundCall`` runs (logical top-k mapped in the kernel, no
+        lengths, no lse) on the probes; its own probes are locals of this frame only."""
+        from vllm_mla.ops.sparse_mla import triton_kernels
+
+        caps, t = plan.caps, logical.shape[0]
+        q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :LATENT], q[..., LATENT:])
+        req_id = torch.zeros(t, dtype=torch.int32, device=self.device)
+        block_table = torch.arange(kv.shape[0], dtype=torch.int32, device=self.device)[None]
+        out = torch.empty(t, caps.num_heads, LATENT, dtype=caps.q_dtype, device=self.device)
+        for name, tensor in (("req_id", req_id), ("block_table", block_table), ("out", out)):
+            probes.append((f"{name}[T={t}]", weakref.ref(tensor)))
+        site = triton_kernels.LaunchSite(
+            kv, caps.num_heads, caps.topk, caps.kv_format, HEAD_DIM**-0.5, caps.q_dtype
+        )
+        site.launch(q_nope, q_pe, kv, logical, out, scratch, req_id=req_id, block_table=block_table)
 
     def freeze(self) -> None:
-        """From now on an unprepared variant raises instead of compiling."""
+        """From now on an unprepared variant raises instead of compiling, and the b12x
+        runner plans nothing more on this session's device (``b12x_runner.freeze``)."""
+        from vllm_mla.ops.sparse_mla import b12x_runner  # imports no b12x code
+
         self._frozen = True
         self._frozen_variants = self._compiled_count()
+        b12x_runner.freeze(self.device)
 
     def _compiled_count(self) -> int | None:
         tracked = getattr(self.kernel, "compiled_variants", None)
@@ -335,15 +342,6 @@ class PreparationSession:
     def is_prepared(self, plan: SparseMLAPlan, num_tokens: int) -> bool:
         key = launch_key(plan.caps, plan.impl, num_tokens, self.device)
         return key in self._prepared.get(plan.plan_id, ())
-
-    def scratch(self, plan: SparseMLAPlan) -> torch.Tensor:
-        """Session-owned scratch for ``plan`` (allocated once; freed by ``release``)."""
-        self._check_live(plan)
-        if plan.plan_id not in self._scratch:
-            self._scratch[plan.plan_id] = torch.empty(
-                plan.scratch_bytes, dtype=torch.uint8, device=self.device
-            )
-        return self._scratch[plan.plan_id]
 
     def bind(
         self,
@@ -405,13 +403,13 @@ class PreparationSession:
         self._check_live(plan)
         device = binding.kv_cache.device
         key = launch_key(plan.caps, plan.impl, binding.num_tokens, device)
-        if key not in self._prepared.get(plan.plan_id, ()) and (self._frozen or _capturing(device)):
+        if key not in self._prepared.get(plan.plan_id, ()) and (self._frozen or capturing(device)):
             raise SparseMLANotPrepared(
                 f"sparse-MLA variant {key} of plan {plan.plan_id} was not prepared "
                 f"(prepared: {sorted(self._prepared.get(plan.plan_id, ()), key=str)}); "
                 "declare its token count in SparseMLACaps and prepare before capture"
             )
-        scale = HEAD_SIZE**-0.5 if softmax_scale is None else softmax_scale
+        scale = HEAD_DIM**-0.5 if softmax_scale is None else softmax_scale
         result = self.kernel.sparse_mla_forward(
             binding.q,
             binding.kv_cache,
@@ -435,11 +433,176 @@ class PreparationSession:
         return result
 
     def release(self, plan: SparseMLAPlan) -> None:
-        """Free the plan's session scratch and forget its variants (graphs must be gone)."""
-        self._scratch.pop(plan.plan_id, None)
+        """Forget the plan's variants (graphs must be gone); its bindings stop working."""
         self._prepared.pop(plan.plan_id, None)
         self._released.add(plan.plan_id)
+
+    def bound_call(
+        self,
+        plan: SparseMLAPlan,
+        *,
+        softmax_scale: float,
+        buffers: Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+    ) -> BoundCall:
+        """The decode-step call of ``plan`` (see ``BoundCall``); ``buffers(t)`` gives the
+        (scratch, out) for ``t`` tokens (None, None: the call allocates out)."""
+        self._check_live(plan)
+        return BoundCall(self, plan, float(softmax_scale), buffers)
 
     def _check_live(self, plan: SparseMLAPlan) -> None:
         if plan.plan_id in self._released:
             raise PlanReleased(f"plan {plan.plan_id} was released; prepare it again to reuse")
+
+
+class BoundCall:
+    """One launch site's decode-step call: validated once, then a few comparisons per step.
+
+    Fixed for the site (checked by the full contract on the first call, and again when a
+    different KV pool arrives): heads, top-k, q dtype, cache format and geometry, the
+    plan's implementation. Per step only the token count (against the plan's capacity),
+    the pool's identity (a weak reference: the call never keeps a pool alive) and the
+    heads/top-k/dtype of the live tensors are compared. Then it launches directly: the
+    Triton kernels, the b12x runner (Triton for a call it does not serve) or the
+    reference; forward_mqa -> ``run`` -> launch. Frozen sessions keep their guarantee:
+    a variant the kernel compiles after ``freeze()`` raises.
+    """
+
+    __slots__ = (
+        *("_buffers", "_cache", "_caps", "_plan", "_scale", "_session", "_site"),
+        "maps_logical",
+    )
+
+    def __init__(
+        self,
+        session: PreparationSession,
+        plan: SparseMLAPlan,
+        softmax_scale: float,
+        buffers: Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    ) -> None:
+        self._session = session
+        self._plan = plan
+        self._caps = plan.caps
+        self._scale = softmax_scale
+        self._buffers = buffers
+        self._cache: weakref.ref | None = None
+        self._site = None  # triton_kernels.LaunchSite of the validated pool's geometry
+        # Whether ``run`` takes logical top-k positions with ``req_id``/``block_table``
+        # (the Triton kernel maps them itself, so no conversion kernel runs first).
+        self.maps_logical = plan.impl == "triton"
+
+    def _validate(self, q_nope, q_pe, kv_cache, indices) -> None:
+        from vllm_mla.ops.sparse_mla.validate import validate
+
+        caps = self._caps
+        validate((q_nope, q_pe), kv_cache, indices, kv_format=caps.kv_format)
+        self._session._check_live(self._plan)
+        if not self._session.is_prepared(self._plan, caps.max_tokens) and (
+            self._session.frozen or capturing(kv_cache.device)
+        ):
+            raise SparseMLANotPrepared(
+                f"plan {self._plan.plan_id} was not prepared; prepare it before capture"
+            )
+        if self._plan.impl in ("triton", "b12x"):
+            from vllm_mla.ops.sparse_mla import triton_kernels
+
+            site = self._site
+            if site is None or not site.matches(kv_cache):
+                self._site = triton_kernels.LaunchSite(
+                    kv_cache, caps.num_heads, caps.topk, caps.kv_format, self._scale, caps.q_dtype
+                )
+        self._cache = weakref.ref(kv_cache)
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
+        req_id: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out [T, H, 512]`` for ``indices [T, K]``: physical rows (the forward
+        contract), or, with ``req_id`` (int32, >= T entries) and ``block_table`` (int32
+        ``[requests, blocks]`` of the cache's block size) when :attr:`maps_logical`,
+        logical top-k positions mapped as ``selection.logical_to_physical`` maps them."""
+        caps = self._caps
+        t = indices.shape[0]
+        if block_table is not None and (
+            not self.maps_logical
+            or block_table.dtype is not torch.int32
+            or block_table.dim() != 2
+            or req_id is None
+            or req_id.dtype is not torch.int32
+            or req_id.shape[0] < t
+        ):
+            raise ValueError(
+                f"sparse MLA logical call (plan impl {self._plan.impl!r}): expected the "
+                "triton plan, int32 block_table [requests, blocks] and int32 req_id of at "
+                f"least {t} entries; got block_table {block_table.dtype} "
+                f"{tuple(block_table.shape)}, req_id "
+                f"{None if req_id is None else (req_id.dtype, tuple(req_id.shape))}"
+            )
+        if self._cache is None or self._cache() is not kv_cache:
+            self._validate(q_nope, q_pe, kv_cache, indices)
+        if (
+            t > caps.max_tokens
+            or q_nope.shape[1] != caps.num_heads
+            or indices.shape[1] != caps.topk
+            or q_nope.dtype is not caps.q_dtype
+            or q_nope.shape[0] != t
+        ):
+            self._validate(q_nope, q_pe, kv_cache, indices)  # names what is wrong
+            raise ValueError(
+                f"sparse MLA call: expected at most {caps.max_tokens} tokens of "
+                f"{caps.num_heads} heads, {caps.q_dtype}, top-k {caps.topk}; got "
+                f"{tuple(q_nope.shape)} {q_nope.dtype}, indices {tuple(indices.shape)}"
+            )
+        scratch, out = self._buffers(t) if self._buffers is not None else (None, None)
+        if out is None:
+            out = q_nope.new_empty((t, caps.num_heads, LATENT))
+        impl = self._plan.impl
+        if impl == "reference":
+            from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
+
+            ref, _ = sparse_mla_reference(
+                (q_nope, q_pe), kv_cache, indices, self._scale, kv_format=caps.kv_format
+            )
+            out.copy_(ref)
+            return out
+        if impl == "b12x" and _b12x_run(
+            q_nope, q_pe, kv_cache, indices, out, scratch, self._scale, caps.kv_format
+        ):
+            return out
+        compiled = self._site.launch(
+            q_nope, q_pe, kv_cache, indices, out, scratch, req_id=req_id, block_table=block_table
+        )
+        if compiled and self._session._frozen:
+            raise SparseMLANotPrepared(
+                f"the kernel compiled a new variant after freeze() for plan "
+                f"{self._plan.plan_id} at T={t}: a live input's strides or alignment differ "
+                "from the probes'"
+            )
+        return out
+
+
+def _b12x_run(q_nope, q_pe, kv_cache, indices, out, scratch, scale, kv_format) -> bool:
+    from vllm_mla.ops.sparse_mla import forward
+
+    runner = forward._b12x_runner
+    if runner is None:
+        return False
+    return bool(
+        runner(
+            q_nope,
+            q_pe,
+            kv_cache,
+            indices,
+            None,
+            out,
+            None,
+            scratch,
+            softmax_scale=scale,
+            kv_format=kv_format,
+            invalid=None,
+        )
+    )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_mla.backends.b12x_sparse import SelectionUnavailable, TopkSelection
+from vllm_mla.ops.sparse_mla import SelectionUnavailable, TopkSelection
 
 
 def buffer(rows: int = 8, topk: int = 4) -> tuple[torch.Tensor, weakref.ref]:
@@ -73,7 +73,7 @@ def test_typed_errors():
 
 
 def test_logical_to_physical_matches_a_hand_computation():
-    from vllm_mla.backends.b12x_sparse import logical_to_physical
+    from vllm_mla.ops.sparse_mla import logical_to_physical
 
     block_table = torch.tensor([[7, 2, 0], [4, 5, 0]], dtype=torch.int32)
     req_id = torch.tensor([1, 0], dtype=torch.int32)
@@ -83,3 +83,15 @@ def test_logical_to_physical_matches_a_hand_computation():
     # token 1 (req 0): 63 -> 7*64+63; 64 -> 2*64; 130 -> 0*64+2; 5 -> 7*64+5
     expected = [[256, 321, -1, -1], [511, 128, 2, 453]]
     assert out.tolist() == expected and out.dtype == torch.int32
+
+
+def test_a_checked_buffer_skips_its_checks_but_a_new_one_is_checked():
+    good, _ = buffer()
+    indexer = SimpleNamespace(topk_indices_buffer=good)
+    selection = TopkSelection(indexer)
+    assert selection.resolve(2).shape[0] == 2  # checked once
+    with pytest.raises(ValueError, match="expected at least 9 rows, got 8"):
+        selection.resolve(9)  # the fast path still bounds the row count
+    indexer.topk_indices_buffer = torch.zeros(8, 4, dtype=torch.int64)  # re-pointed, bad
+    with pytest.raises(TypeError, match="expected int32"):
+        selection.resolve(1)

@@ -13,8 +13,9 @@ import weakref
 import pytest
 import torch
 
-from vllm_mla.backends.b12x_sparse import (
-    HEAD_SIZE,
+from vllm_mla.memory import AllocationTrace
+from vllm_mla.ops.sparse_mla import (
+    HEAD_DIM,
     LATENT,
     PlanReleased,
     PreparationFrozen,
@@ -24,7 +25,6 @@ from vllm_mla.backends.b12x_sparse import (
     SparseMLANotPrepared,
     plan,
 )
-from vllm_mla.memory import AllocationTrace
 
 
 def reference(q, kv_cache, indices, scale, *, kv_format, lengths=None, return_lse=False):
@@ -105,12 +105,12 @@ CAPS = SparseMLACaps(max_tokens=6, num_heads=3, topk=8, kv_format="bf16", split_
 
 def cache(blocks: int = 2, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(blocks, 64, HEAD_SIZE, generator=gen).bfloat16()
+    return torch.randn(blocks, 64, HEAD_DIM, generator=gen).bfloat16()
 
 
 def query(tokens: int, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(tokens, CAPS.num_heads, HEAD_SIZE, generator=gen).bfloat16()
+    full = torch.randn(tokens, CAPS.num_heads, HEAD_DIM, generator=gen).bfloat16()
     return full[..., :LATENT], full[..., LATENT:]
 
 
@@ -210,14 +210,14 @@ def test_binding_holds_only_caller_inputs_and_replays_with_changed_inputs():
     p = session.plan(CAPS)
     session.prepare(p)
     session.freeze()
-    kv, q, scratch = cache(), query(4), session.scratch(p)
+    kv, q, scratch = cache(), query(4), torch.empty(p.scratch_bytes, dtype=torch.uint8)
     out = torch.empty(4, CAPS.num_heads, LATENT, dtype=torch.bfloat16)
     for seed in (2, 3):  # same binding shape, changed live indices (graph replay on GPU)
         idx = indices(4, seed)
         b = session.bind(p, scratch=scratch, q=q, kv_cache=kv, indices=idx, out=out)
         assert {id(t) for t in tensors_in(b)} == {id(x) for x in (*q, kv, idx, scratch, out)}
         result, lse = session.run(b)
-        expected, _ = reference(q, kv, idx, HEAD_SIZE**-0.5, kv_format="bf16")
+        expected, _ = reference(q, kv, idx, HEAD_DIM**-0.5, kv_format="bf16")
         assert result is out and torch.equal(result, expected)
         assert lse is None
 
@@ -244,22 +244,17 @@ def test_bind_rejects_inputs_outside_the_plan():
         )
 
 
-def test_release_frees_scratch_and_invalidates_bindings():
+def test_release_invalidates_bindings_and_the_plan():
     session = PreparationSession(kernel=StandIn())
     p = session.plan(CAPS)
     session.prepare(p)
-    scratch = session.scratch(p)
-    assert session.scratch(p) is scratch  # allocated once
-    ref = weakref.ref(scratch)
     binding = session.bind(p, scratch=None, q=query(1), kv_cache=cache(), indices=indices(1))
-    del scratch
-    assert ref() is not None  # control: the session owns it until release
+    session.run(binding)  # control: served before release
     session.release(p)
-    assert ref() is None
     with pytest.raises(PlanReleased):
         session.run(binding)
     with pytest.raises(PlanReleased):
-        session.scratch(p)
+        session.bind(p, scratch=None, q=query(1), kv_cache=cache(), indices=indices(1))
 
 
 def test_a_compile_after_freeze_seen_by_the_kernels_tracking_raises():
@@ -286,7 +281,7 @@ def test_a_compile_after_freeze_seen_by_the_kernels_tracking_raises():
     session.run(
         session.bind(p, scratch=None, q=(q_nope, q_pe), kv_cache=kv, indices=indices(2))
     )  # control: same specialisation
-    odd = torch.empty(2, CAPS.num_heads, 577, dtype=torch.bfloat16)[..., :HEAD_SIZE]
+    odd = torch.empty(2, CAPS.num_heads, 577, dtype=torch.bfloat16)[..., :HEAD_DIM]
     odd.copy_(torch.cat([q_nope, q_pe], -1))  # row stride 3*577: not a multiple of 16
     with pytest.raises(SparseMLANotPrepared, match="1 new variant"):
         session.run(
@@ -322,15 +317,19 @@ def test_with_the_real_kernel_module(impl):
     kv_c, k_pe = torch.randn(128, 512, generator=gen), torch.randn(128, 64, generator=gen)
     kv = sparse_mla.pack_fp8_ds_mla(kv_c, k_pe).view(2, 64, 656)
     for seed in (1, 2):  # changed live inputs after the probes are gone
-        full = torch.randn(2, 2, HEAD_SIZE, generator=gen).bfloat16()
+        full = torch.randn(2, 2, HEAD_DIM, generator=gen).bfloat16()
         q = (full[..., :LATENT], full[..., LATENT:])
         idx = torch.randint(-1, 128, (2, 64), generator=gen, dtype=torch.int32)
         out, _ = session.run(
-            session.bind(p, scratch=session.scratch(p), q=q, kv_cache=kv, indices=idx)
+            session.bind(
+                p,
+                scratch=torch.empty(p.scratch_bytes, dtype=torch.uint8),
+                q=q,
+                kv_cache=kv,
+                indices=idx,
+            )
         )
-        ref, _ = sparse_mla.sparse_mla_reference(
-            q, kv, idx, HEAD_SIZE**-0.5, kv_format="fp8_ds_mla"
-        )
+        ref, _ = sparse_mla.sparse_mla_reference(q, kv, idx, HEAD_DIM**-0.5, kv_format="fp8_ds_mla")
         err = (out.float() - ref.float()).norm() / ref.float().norm()
         assert err < sparse_mla.OUT_REL_ERR, (seed, err)
 
@@ -349,7 +348,7 @@ def test_reference_impl_is_prepared_without_probes():
 
 
 def test_not_prepared_is_one_error_family():
-    from vllm_mla.backends.b12x_sparse import preparation
     from vllm_mla.ops import sparse_mla
+    from vllm_mla.ops.sparse_mla import preparation
 
     assert issubclass(preparation.SparseMLANotPrepared, sparse_mla.SparseMLANotPrepared)

@@ -22,7 +22,19 @@ SCALE_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_SCALES_OFFSET = LATENT  # 512
 FP8_ROPE_OFFSET = LATENT + 4 * (LATENT // SCALE_GROUP)  # 528
-_RECORD = {"fp8_ds_mla": (torch.uint8, 656), "bf16": (torch.bfloat16, HEAD_DIM)}
+FP8_DS_MLA_RECORD = 656  # bytes: 512 e4m3 + 4 fp32 scales + 64 bf16 k_pe
+_RECORD = {"fp8_ds_mla": (torch.uint8, FP8_DS_MLA_RECORD), "bf16": (torch.bfloat16, HEAD_DIM)}
+
+
+# One rule for every implementation (reference, Triton, b12x runner): an index outside
+# [-1, num_blocks * block_size) is read as an empty slot, like -1 (never a stray read),
+# and, when the caller passes an ``invalid`` counter (int32 [1]), adds 1 to it.
+INDEX_RULE = "an index outside [-1, rows) is an empty slot and is counted in `invalid`"
+
+
+def cache_rows(kv_cache: torch.Tensor) -> int:
+    """Physical rows a cache addresses: ``num_blocks * block_size``."""
+    return kv_cache.shape[0] * kv_cache.shape[1]
 
 
 class SparseMLAError(ValueError):
@@ -53,6 +65,11 @@ def record_elems(kv_format: str) -> int:
     """Last-dim size of a cache in ``kv_format`` (656 or 576)."""
     check_format(kv_format)
     return _RECORD[kv_format][1]
+
+
+def record_width(kv_format: str) -> tuple[int, torch.dtype]:
+    """(elements per cache row, element dtype) of ``kv_format``."""
+    return record_elems(kv_format), record_dtype(kv_format)
 
 
 def record_bytes(kv_format: str) -> int:

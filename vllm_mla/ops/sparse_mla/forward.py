@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from vllm_mla import envs
-from vllm_mla.ops.sparse_mla.kv_format import (
+from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
     SparseMLAError,
     SparseMLATypeError,
@@ -50,7 +50,8 @@ def register_b12x_runner(runner: B12XRunner | None) -> None:
     """Install (or clear, with None) the b12x runner.
 
     Called as ``runner(q_nope, q_pe, kv_cache, indices, lengths, out, lse, scratch,
-    softmax_scale=..., kv_format=...)`` with validated tensors; it must write ``out``
+    softmax_scale=..., kv_format=..., invalid=...)`` with validated tensors (``invalid``:
+    the ``INDEX_RULE`` counter or None); it must write ``out``
     (and ``lse`` when not None), allocate nothing while a graph is captured and return
     True, or return False without writing for a call it does not serve (Triton runs).
     """
@@ -118,7 +119,7 @@ def scratch_bytes(num_tokens: int, num_heads: int, topk: int, *, kv_format: str)
             raise SparseMLAError(f"{name}: expected >= 1, got {v}")
     if not TRITON_AVAILABLE:
         return 0
-    from vllm_mla.ops.triton import sparse_mla as kernels
+    from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
     return kernels.scratch_bytes(num_tokens, num_heads, topk)
 
@@ -134,7 +135,7 @@ def _check_scratch(scratch: torch.Tensor, args: Args) -> None:
         raise SparseMLAError(f"scratch: expected a 16-byte aligned start, got {scratch.data_ptr()}")
     if scratch.device != args.q_nope.device:
         raise SparseMLAError(f"scratch: expected device {args.q_nope.device}, got {scratch.device}")
-    from vllm_mla.ops.triton import sparse_mla as kernels
+    from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
     need = kernels.split_plan(args.num_tokens, args.num_heads, args.topk).layout()[2]
     if scratch.numel() < need:
@@ -156,6 +157,7 @@ def sparse_mla_forward(
     scratch: torch.Tensor | None = None,
     return_lse: bool = False,
     lse: torch.Tensor | None = None,
+    invalid: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse MLA over physical rows ``indices [T, K]`` -> ``(out [T, H, 512], lse | None)``.
@@ -163,9 +165,20 @@ def sparse_mla_forward(
     ``out`` is in q's dtype; ``lse [T, H]`` fp32 natural log (returned when
     ``return_lse`` or an ``lse`` buffer is given). Rows with no valid index: out 0,
     lse -inf. With ``out``, ``lse`` and ``scratch`` (>= ``scratch_bytes``) passed, the
-    call allocates nothing (CUDA graphs). Indices must be < num_blocks * block_size.
+    call allocates nothing (CUDA graphs). An index outside ``[-1, num_blocks * block_size)``
+    is an empty slot and, with ``invalid`` (int32 ``[1]``) given, adds 1 to it
+    (``formats.INDEX_RULE``, the same in every implementation).
     """
-    args = validate(q, kv_cache, indices, kv_format=kv_format, lengths=lengths, out=out, lse=lse)
+    args = validate(
+        q,
+        kv_cache,
+        indices,
+        kv_format=kv_format,
+        lengths=lengths,
+        out=out,
+        lse=lse,
+        invalid=invalid,
+    )
     device = args.q_nope.device
     if out is None:
         out = torch.empty(args.num_tokens, args.num_heads, LATENT, dtype=args.dtype, device=device)
@@ -185,6 +198,7 @@ def sparse_mla_forward(
         out,
         lse,
         scratch,
+        invalid,
         float(softmax_scale),
         kv_format,
         impl,
@@ -192,7 +206,9 @@ def sparse_mla_forward(
     return out, lse
 
 
-@torch.library.custom_op("vllm_mla::sparse_mla_forward", mutates_args=("out", "lse", "scratch"))
+@torch.library.custom_op(
+    "vllm_mla::sparse_mla_forward", mutates_args=("out", "lse", "scratch", "invalid")
+)
 def _sparse_mla_op(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -202,37 +218,57 @@ def _sparse_mla_op(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     scratch: torch.Tensor | None,
+    invalid: torch.Tensor | None,
     softmax_scale: float,
     kv_format: str,
     impl: str,
 ) -> None:
     args = validate(
-        (q_nope, q_pe), kv_cache, indices, kv_format=kv_format, lengths=lengths, out=out, lse=lse
-    )
-    impl = _resolve(impl, q_nope.device)
-    served = impl == "b12x" and _b12x_runner(
-        q_nope,
-        q_pe,
+        (q_nope, q_pe),
         kv_cache,
         indices,
-        lengths,
-        out,
-        lse,
-        scratch,
-        softmax_scale=softmax_scale,
         kv_format=kv_format,
+        lengths=lengths,
+        out=out,
+        lse=lse,
+        invalid=invalid,
+    )
+    impl = _resolve(impl, q_nope.device)
+    runner = _b12x_runner
+    served = (
+        impl == "b12x"
+        and runner is not None
+        and runner(
+            q_nope,
+            q_pe,
+            kv_cache,
+            indices,
+            lengths,
+            out,
+            lse,
+            scratch,
+            softmax_scale=softmax_scale,
+            kv_format=kv_format,
+            invalid=invalid,
+        )
     )
     if served:
         return
     if impl in ("triton", "b12x"):  # b12x: a call its runner does not serve
-        from vllm_mla.ops.triton import sparse_mla as kernels
+        from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
         kernels.launch(
-            args, kv_cache, indices, lengths, out, lse, scratch, softmax_scale, kv_format
+            args, kv_cache, indices, lengths, out, lse, scratch, softmax_scale, kv_format, invalid
         )
     else:
         ref_out, ref_lse = sparse_mla_reference(
-            (q_nope, q_pe), kv_cache, indices, softmax_scale, kv_format=kv_format, lengths=lengths
+            (q_nope, q_pe),
+            kv_cache,
+            indices,
+            softmax_scale,
+            kv_format=kv_format,
+            lengths=lengths,
+            invalid=invalid,
         )
         out.copy_(ref_out)
         if lse is not None:
@@ -240,7 +276,7 @@ def _sparse_mla_op(
 
 
 @_sparse_mla_op.register_fake
-def _(q_nope, q_pe, kv_cache, indices, lengths, out, lse, scratch, softmax_scale, kv_format, impl):
+def _(q_nope, q_pe, kv_cache, indices, lengths, out, lse, scratch, invalid, scale, fmt, impl):
     return None
 
 
@@ -248,7 +284,7 @@ def compiled_variants() -> frozenset[tuple]:
     """Triton variants compiled so far (empty without Triton); unchanged after a freeze."""
     if not TRITON_AVAILABLE:
         return frozenset()
-    from vllm_mla.ops.triton import sparse_mla as kernels
+    from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
     return kernels.compiled_variants()
 

@@ -13,6 +13,8 @@ indexers at the target's buffer after the attention impls exist. So:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -23,10 +25,13 @@ class SelectionUnavailable(RuntimeError):
 class TopkSelection:
     """Resolves the top-k index buffer per call; holds no shadow of the indexer's buffer."""
 
-    __slots__ = ("_buffer", "_indexer")
+    __slots__ = ("_buffer", "_checked", "_indexer")
 
     def __init__(self, indexer: object | None = None, buffer: torch.Tensor | None = None) -> None:
         self._indexer = indexer
+        # A weak reference to the last buffer that passed resolve()'s checks (weak: it
+        # must not pin a buffer the indexer stops using).
+        self._checked: weakref.ref | None = None
         # With an indexer the buffer is the indexer's; keeping it here would pin storage
         # the indexer may later stop using (MTP re-points draft indexers).
         self._buffer = buffer if indexer is None else None
@@ -53,6 +58,9 @@ class TopkSelection:
     def resolve(self, num_tokens: int) -> torch.Tensor:
         """``buffer[:num_tokens]`` as int32 ``[T, K]``; typed error when unavailable."""
         buffer = self.buffer()
+        checked = self._checked
+        if checked is not None and checked() is buffer and num_tokens <= buffer.shape[0]:
+            return buffer[:num_tokens]  # the buffer checked last time (the indexer keeps one)
         if buffer is None:
             source = "indexer.topk_indices_buffer" if self._indexer is not None else "buffer"
             raise SelectionUnavailable(f"no top-k indices: {source} is None")
@@ -65,6 +73,7 @@ class TopkSelection:
             raise ValueError(
                 f"top-k buffer: expected at least {num_tokens} rows, got {buffer.shape[0]}"
             )
+        self._checked = weakref.ref(buffer)
         return buffer[:num_tokens]
 
 

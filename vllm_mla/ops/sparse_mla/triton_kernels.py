@@ -1,0 +1,721 @@
+"""Triton sparse MLA (absorbed / MQA form), split-K over the top-k indices, SM80+.
+
+Kernel 1, ``_sparse_mla_split_kernel``, grid ``(T, cdiv(H, block_h(H)), num_splits)``:
+one program takes one token, ``BLOCK_H`` heads (masked past H) and one contiguous
+slice of ``split_len`` indices, walked in chunks of ``BLOCK_K`` gathered rows. Per
+chunk: scores = q_pe @ k_pe^T + sum over four 128-wide latent pieces of
+q_piece @ kv_piece^T (fp8: the e4m3 piece is decoded exactly to bf16 on the bits and
+its group scale applied to the [BLOCK_H, BLOCK_K] partial score); online softmax in
+base 2; acc_piece += p @ kv_piece (fp8: p * scale in bf16), fp32 accumulation. With
+one split it writes ``out`` and ``lse`` itself; otherwise it writes unnormalised
+partials (acc [512], m, l) that kernel 2, ``_sparse_mla_combine_kernel`` (grid
+``(T, H)``), merges into out + lse.
+
+Tiles (GPU): BLOCK_H = :func:`block_h` (H) heads per program, 16 for H <= 16 (tl.dot
+needs >= 16 rows) and 32 above, so each gathered KV row is read from memory
+``cdiv(H, BLOCK_H)`` times per token (:func:`gathered_bytes`): once for H <= 32, twice
+at H = 64, four times at H = 128 (it was ``cdiv(H, 16)``: 8x at H = 128). BLOCK_K = 32,
+8 warps. Why not all heads in one program: the fp32 accumulator is H x 512 x 4 bytes
+(128 KiB at H = 64, the whole 256 KiB register file at H = 128), and ptxas (Triton 3.x,
+this file) spills at BLOCK_H = 64 on sm90 (256-584 bytes of stack over every BLOCK_K/
+warps/stages tried) and sm120 (32-248); BLOCK_H = 32 fits everywhere. Measured with
+ptxas, 8 warps: BLOCK_H 16: 151 registers (fp8, sm90, 2 stages), 56 KiB shared; BLOCK_H
+32: 175-223 registers (fp8, sm80/89/90/120, 1 stage), 40 KiB shared; bf16 167-178
+registers, 74-76 KiB; no spills, all under the 99 KiB SM12x limit.
+tests/test_sparse_mla.py compiles every (arch, format, BLOCK_H) the launcher uses.
+``num_stages`` (:func:`num_stages`): 1 on SM12x, and for fp8 at BLOCK_H = 32 (2 stages
+spill on sm80), else 2.
+
+Split count (shapes only, so CUDA graphs and ``scratch_bytes`` agree): enough
+splits for ``TARGET_PROGRAMS`` programs (T=32, H=16, K=2048: 8 splits x 256 rows,
+256 programs for 132 SMs), at most ``MAX_SPLITS``, whole chunks per split.
+
+``INTERPRET`` (Triton's CPU interpreter only, whose bf16 dot and fp32->bf16 cast are
+wrong, REFERENCE.md section 2) makes every dot fp32 and rounds the bf16 output on the
+bits. GPU code never takes those branches.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_mla import envs
+from vllm_mla.ops.capture import capturing
+from vllm_mla.ops.sparse_mla.formats import SparseMLANotPrepared
+from vllm_mla.ops.triton.query_projection import _round_to_bf16
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _e4m3_to_f32(bits):
+    """float8_e4m3fn codes (uint8) -> fp32, exact, on the bits (no fp8 type: SM80 too)."""
+    b = bits.to(tl.int32)
+    mag = b & 0x7F
+    # Normal: exponent e (bias 7) -> e + 120 (bias 127), mantissa shifted up 20 bits.
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    sub = (mag & 7).to(tl.float32) * 0.001953125  # subnormal: m * 2**-9
+    val = tl.where(mag >= 8, normal, sub)
+    val = tl.where(mag == 0x7F, float("nan"), val)
+    return tl.where((b & 0x80) != 0, -val, val)
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _latent_piece(kv_ptr, base, valid, PIECE: tl.constexpr, FP8: tl.constexpr, PV: tl.constexpr):
+    """[BLOCK_K, 128] latent piece of the gathered rows (fp8: decoded, unscaled) and,
+    for fp8, its [BLOCK_K] group scale."""
+    cols = PIECE * 128 + tl.arange(0, 128)
+    ptrs = kv_ptr + base[:, None] + cols[None, :]
+    if FP8 and PV:
+        # A load distinct from the QK one (last use of the line), so the compiler cannot
+        # merge the two and keep four decoded pieces live in registers across the softmax
+        # (it did: 255 registers + spills on sm90/sm120); the reload hits L1.
+        x = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs, mask=valid[:, None], other=0)
+    scale = 1.0
+    if FP8:
+        scale_ptr = (kv_ptr + base + 512 + 4 * PIECE).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr, mask=valid, other=0.0)
+        x = _e4m3_to_f32(x).to(tl.bfloat16)  # exact: e4m3 values are bf16 values
+    return x, scale
+
+
+@triton.jit
+def _qk_piece(
+    q_rows, hmask, kv_ptr, base, valid, PIECE: tl.constexpr, FP8: tl.constexpr, INTERPRET
+):
+    # q is reloaded per chunk (an L1 hit): held across the loop, 16x576 bf16 replicated in
+    # every warp's MMA operand registers costs ~144 registers per thread and spills.
+    q = tl.load(q_rows + PIECE * 128, mask=hmask[:, None], other=0.0)
+    kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, False)
+    s = _dot(q, tl.trans(kv), INTERPRET)
+    if FP8:
+        s = s * scale[None, :]
+    return s
+
+
+@triton.jit
+def _pv_piece(acc, alpha, p, kv_ptr, base, valid, PIECE: tl.constexpr, FP8, INTERPRET):
+    kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, True)
+    if FP8:
+        p = p * scale[None, :]
+    return acc * alpha[:, None] + _dot(p, kv, INTERPRET)
+
+
+@triton.jit
+def _store_out(ptr, rows, cols, mask, val, INTERPRET: tl.constexpr):
+    if INTERPRET and ptr.dtype.element_ty == tl.bfloat16:
+        out = _round_to_bf16(val)
+    else:
+        out = val.to(ptr.dtype.element_ty)
+    tl.store(ptr + rows[:, None] + cols[None, :], out, mask=mask[:, None])
+
+
+@triton.jit
+def _store_acc(ptr, rows, mask, acc0, acc1, acc2, acc3, inv_l, INTERPRET: tl.constexpr):
+    cols = tl.arange(0, 128)
+    _store_out(ptr, rows, cols, mask, acc0 * inv_l[:, None], INTERPRET)
+    _store_out(ptr, rows, cols + 128, mask, acc1 * inv_l[:, None], INTERPRET)
+    _store_out(ptr, rows, cols + 256, mask, acc2 * inv_l[:, None], INTERPRET)
+    _store_out(ptr, rows, cols + 384, mask, acc3 * inv_l[:, None], INTERPRET)
+
+
+@triton.jit(
+    # req/bt_ptr, s_bt, bt_width: vLLM's block table and request map are read once per
+    # program; not specializing on them keeps the probes' variant the live one
+    do_not_specialize=[
+        *("T", "K", "split_len", "s_idx", "num_rows", "m_off", "l_off"),
+        *("req_ptr", "bt_ptr", "s_bt", "bt_width"),
+    ]
+)
+def _sparse_mla_split_kernel(
+    qn_ptr,
+    qp_ptr,
+    kv_ptr,
+    idx_ptr,
+    len_ptr,
+    out_ptr,  # DIRECT: out [T, H, 512]; else the uint8 scratch (partial acc at 0)
+    lse_ptr,  # DIRECT: lse [T, H]; else the scratch (partial m at m_off, base-2 units)
+    l_ptr,  # the scratch (partial l at l_off; unused when DIRECT)
+    err_ptr,  # int32 [1]: out-of-range indices counted (HAS_ERR)
+    req_ptr,  # LOGICAL: int32 [>= T] request of each token (vLLM's req_id_per_token)
+    bt_ptr,  # LOGICAL: int32 [requests, bt_width] block table
+    s_bt,  # LOGICAL: block table row stride
+    bt_width,  # LOGICAL: blocks per request row
+    m_off,  # fp32 elements from the scratch base to the partial m [T, H, S]
+    l_off,  # fp32 elements from the scratch base to the partial l [T, H, S]
+    T,
+    H,
+    K,
+    split_len,
+    block_size,
+    num_rows,
+    qk_scale,  # softmax_scale * log2(e)
+    s_qn_t,
+    s_qn_h,
+    s_qp_t,
+    s_qp_h,
+    s_kv_b,
+    s_kv_t,
+    s_idx,
+    s_o_t,
+    s_o_h,
+    s_lse_t,
+    FP8: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    HAS_ERR: tl.constexpr,
+    LOGICAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    t64 = t.to(tl.int64)
+
+    d = tl.arange(0, 128)
+    q_rows = qn_ptr + t64 * s_qn_t + heads[:, None] * s_qn_h + d[None, :]
+    r = tl.arange(0, 64)
+    qpe_ptrs = qp_ptr + t64 * s_qp_t + heads[:, None] * s_qp_h + r[None, :]
+
+    end = K
+    if HAS_LENGTHS:
+        end = tl.minimum(tl.load(len_ptr + t), K)
+    start = split * split_len
+    end = tl.minimum(end, start + split_len)
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_H,), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, 128), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, 128), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, 128), tl.float32)
+    acc3 = tl.zeros((BLOCK_H, 128), tl.float32)
+    bad = tl.zeros((BLOCK_K,), tl.int32)
+    if LOGICAL:
+        bt_row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * s_bt
+    for k0 in range(start, end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        rows = tl.load(idx_ptr + t64 * s_idx + ks, mask=ks < end, other=-1)
+        if LOGICAL:
+            # vLLM's logical -> physical map (triton_convert_req_index_to_global_index),
+            # fused: negative or past the request's block table -> -1 (empty, uncounted)
+            mapped = (rows >= 0) & (rows < bt_width * block_size)
+            logical = tl.where(mapped, rows, 0)
+            page = tl.load(bt_row + logical // block_size, mask=mapped, other=0)
+            rows = tl.where(mapped, page * block_size + logical % block_size, -1)
+        # INDEX_RULE: outside [-1, num_rows) reads as empty (never a stray read), counted
+        in_range = (rows >= -1) & (rows < num_rows)
+        if HAS_ERR:
+            bad += (~in_range).to(tl.int32)
+        valid = (rows >= 0) & in_range
+        rows = tl.where(valid, rows, 0)
+        base = (rows // block_size).to(tl.int64) * s_kv_b + (rows % block_size) * s_kv_t
+        if FP8:
+            pe_ptrs = (kv_ptr + base[:, None] + 528).to(tl.pointer_type(tl.bfloat16))
+        else:
+            pe_ptrs = kv_ptr + base[:, None] + 512
+        kpe = tl.load(pe_ptrs + r[None, :], mask=valid[:, None], other=0.0)
+        qpe = tl.load(qpe_ptrs, mask=hmask[:, None], other=0.0)
+        s = _dot(qpe, tl.trans(kpe), INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 1, FP8, INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 2, FP8, INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 3, FP8, INTERPRET)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: no NaN
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        m = m_new
+        acc0 = _pv_piece(acc0, alpha, p, kv_ptr, base, valid, 0, FP8, INTERPRET)
+        acc1 = _pv_piece(acc1, alpha, p, kv_ptr, base, valid, 1, FP8, INTERPRET)
+        acc2 = _pv_piece(acc2, alpha, p, kv_ptr, base, valid, 2, FP8, INTERPRET)
+        acc3 = _pv_piece(acc3, alpha, p, kv_ptr, base, valid, 3, FP8, INTERPRET)
+
+    if HAS_ERR:  # noqa: SIM102 (a constexpr branch; Triton cannot mix it into `and`)
+        if tl.program_id(1) == 0:  # one head group per (token, split) counts its slice
+            tl.atomic_add(err_ptr, tl.sum(bad))
+    if DIRECT:
+        inv_l = tl.where(l_sum > 0, 1.0 / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+        o_rows = t64 * s_o_t + heads * s_o_h
+        _store_acc(out_ptr, o_rows, hmask, acc0, acc1, acc2, acc3, inv_l, INTERPRET)
+        if WRITE_LSE:
+            lse = tl.where(l_sum > 0, (m + tl.log2(tl.maximum(l_sum, 1e-30))) * LN2, float("-inf"))
+            tl.store(lse_ptr + t64 * s_lse_t + heads, lse, mask=hmask)
+    else:
+        part = (t64 * H + heads) * num_splits + split
+        ones = tl.full((BLOCK_H,), 1.0, tl.float32)
+        acc_base = out_ptr.to(tl.pointer_type(tl.float32))
+        _store_acc(acc_base, part * 512, hmask, acc0, acc1, acc2, acc3, ones, False)
+        tl.store(lse_ptr.to(tl.pointer_type(tl.float32)) + m_off + part, m, mask=hmask)
+        tl.store(l_ptr.to(tl.pointer_type(tl.float32)) + l_off + part, l_sum, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["num_splits", "m_off", "l_off"])
+def _sparse_mla_combine_kernel(
+    scratch_ptr,  # uint8: partial acc at 0, m at m_off, l at l_off (fp32 elements)
+    m_off,
+    l_off,
+    out_ptr,
+    lse_ptr,
+    H,
+    num_splits,
+    s_o_t,
+    s_o_h,
+    s_lse_t,
+    WRITE_LSE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Merge the split partials of one (token, head): out = sum acc_s 2^(m_s - M) / L."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    acc_ptr = scratch_ptr.to(tl.pointer_type(tl.float32))
+    m_ptr = acc_ptr + m_off
+    l_ptr = acc_ptr + l_off
+    first = (t * H + h) * num_splits
+    cols = tl.arange(0, 512)
+    m_max = tl.full([], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + first + s))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros((512,), tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(m_ptr + first + s) - m_safe)
+        total += tl.load(l_ptr + first + s) * w
+        acc += tl.load(acc_ptr + (first + s) * 512 + cols) * w
+    out = acc * tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    o_ptrs = out_ptr + t * s_o_t + h * s_o_h + cols
+    if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(o_ptrs, _round_to_bf16(out))
+    else:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(total > 0, (m_max + tl.log2(tl.maximum(total, 1e-30))) * LN2, float("-inf"))
+        tl.store(lse_ptr + t * s_lse_t + h, lse)
+
+
+# ---------------------------------------------------------------- host side
+
+BLOCK_H = 16  # the smallest head tile (tl.dot's minimum M); see block_h
+WIDE_BLOCK_H = 32  # the widest head tile that compiles without spills (module docstring)
+BLOCK_K = 32
+NUM_WARPS = 8  # 4 warps: fp8 needs ~250 registers/thread (ptxas, sm90)
+TARGET_PROGRAMS = 256  # ~2 programs per SM on 132-170 SM parts
+MAX_SPLITS = 16
+_ALIGN = 16  # scratch regions and the scratch base, bytes
+_compiled: set[tuple] = set()
+_sites: dict[tuple, LaunchSite] = {}  # launch()'s sites (they hold no tensor)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How one call is split: ``num_splits`` slices of ``split_len`` indices each."""
+
+    num_tokens: int
+    num_heads: int
+    num_splits: int
+    split_len: int
+
+    @property
+    def direct(self) -> bool:
+        """One split: the split kernel writes out/lse itself, no scratch, no combine."""
+        return self.num_splits == 1
+
+    def layout(self) -> tuple[int, int, int]:
+        """(m offset, l offset, total bytes) of the partials in scratch; acc at 0."""
+        if self.direct:
+            return 0, 0, 0
+        n = self.num_tokens * self.num_heads * self.num_splits
+        m_off = n * 512 * 4
+        l_off = m_off + _round_up(n * 4, _ALIGN)
+        return m_off, l_off, _partials_bytes(n)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def block_h(num_heads: int) -> int:
+    """Heads per program for ``num_heads`` heads (see the module docstring)."""
+    return BLOCK_H if num_heads <= BLOCK_H else WIDE_BLOCK_H
+
+
+def gathered_bytes(num_heads: int, topk: int, kv_format: str) -> int:
+    """KV bytes the split kernel loads from memory per token: each of the ``topk`` gathered
+    records once per head tile (the kernel's own accounting, reported by the benchmark)."""
+    from vllm_mla.ops.sparse_mla.formats import record_bytes
+
+    return _cdiv(num_heads, block_h(num_heads)) * topk * record_bytes(kv_format)
+
+
+def split_plan(num_tokens: int, num_heads: int, topk: int) -> SplitPlan:
+    """The split of a call, from shapes only (so graphs and scratch sizing agree)."""
+    bh = block_h(num_heads)
+    return _split_plan(num_tokens, num_heads, topk, bh, BLOCK_K, TARGET_PROGRAMS, MAX_SPLITS)
+
+
+@functools.lru_cache(maxsize=4096)  # called per forward: keep it off the hot path
+def _split_plan(t: int, h: int, k: int, bh: int, bk: int, target: int, cap: int) -> SplitPlan:
+    chunks = _cdiv(k, bk)
+    base = max(1, t * _cdiv(h, bh))
+    splits = max(1, min(cap, chunks, _cdiv(target, base)))
+    per = _cdiv(chunks, splits)
+    return SplitPlan(t, h, _cdiv(chunks, per), per * bk)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _partials_bytes(n: int) -> int:
+    """Scratch bytes of ``n`` (token, head, split) partials: acc [512] fp32, m, l."""
+    return n * 512 * 4 + 2 * _round_up(n * 4, _ALIGN)
+
+
+def _split_bound(t: int, h: int, k: int) -> int:
+    """An upper bound of ``split_plan(t, h, k').num_splits`` for every k' <= k: the split
+    count before whole-chunk rounding, which only lowers it, and which grows with k."""
+    base = max(1, t * _cdiv(h, block_h(h)))
+    return max(1, min(MAX_SPLITS, _cdiv(k, BLOCK_K), _cdiv(TARGET_PROGRAMS, base)))
+
+
+@functools.lru_cache(maxsize=1024)
+def scratch_bytes(num_tokens: int, num_heads: int, topk: int) -> int:
+    """Scratch that serves every call with T <= num_tokens, H <= num_heads and top-k <=
+    topk; monotone in all three (a tested property). Exact split counts are not (rounding
+    to whole chunks makes them jump with K, and more heads mean fewer splits), so this is
+    the maximum over T and H of a bound that is monotone in K."""
+    need = 0
+    for h in range(1, num_heads + 1):
+        for t in range(1, num_tokens + 1):
+            splits = _split_bound(t, h, topk)
+            if splits == 1:  # direct from here on: splits only shrink as T grows
+                break
+            need = max(need, _partials_bytes(t * h * splits))
+    return need
+
+
+def _spec(v: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises a (specialisable) int argument on."""
+    return v % 16 == 0, v == 1, v >= 2**31
+
+
+def num_stages(major: int, fp8: bool, heads_per_program: int) -> int:
+    """Software-pipelining stages for a CUDA device of compute capability ``major``."""
+    if major == 12:  # SM12x: 99 KiB of shared memory per block, so no multi-buffering
+        return 1
+    if fp8 and heads_per_program > BLOCK_H:  # 2 stages spill on sm80 (ptxas)
+        return 1
+    return 2
+
+
+def _num_stages(device: torch.device, fp8: bool, heads_per_program: int) -> int:
+    if device.type != "cuda":
+        return 1
+    return num_stages(torch.cuda.get_device_capability(device)[0], fp8, heads_per_program)
+
+
+def launch(
+    args,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+    softmax_scale: float,
+    kv_format: str,
+    invalid: torch.Tensor | None = None,
+) -> None:
+    """Run both kernels on validated arguments (see ops.sparse_mla.forward)."""
+    t, h = args.num_tokens, args.num_heads
+    if t == 0:
+        return
+    key = (kv_cache.device, kv_cache.shape[:2], kv_cache.stride()[:2], kv_cache.data_ptr() & 15)
+    key += (h, args.topk, kv_format, softmax_scale, args.q_nope.dtype)
+    site = _sites.get(key)
+    if site is None:
+        if len(_sites) > 64:  # bounded: the (cache geometry, call shape) pairs seen
+            _sites.clear()
+        site = _sites[key] = LaunchSite(
+            kv_cache, h, args.topk, kv_format, softmax_scale, args.q_nope.dtype
+        )
+    site.launch(args.q_nope, args.q_pe, kv_cache, indices, out, scratch, lengths, lse, invalid)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """What one token count launches: its split plan, scratch offsets and grids."""
+
+    plan: SplitPlan
+    m_off: int  # fp32 elements
+    l_off: int
+    need: int  # scratch bytes
+    grid: tuple[int, int, int]
+    combine_grid: tuple[int, int]
+    split_len: int
+    num_splits: int
+
+
+class LaunchSite:
+    """Both kernels' launch for one (cache geometry, H, K, format, scale, q dtype): what
+    those fix is computed once (split plans per token count, the cache's strides and the
+    variant key's fixed part), so a call reads a few pointers and strides and launches.
+
+    Holds no tensor (the cache is passed per call; only its geometry is kept): a site
+    never keeps a KV pool alive. ``launch`` serves any cache of the same geometry.
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        topk: int,
+        kv_format: str,
+        softmax_scale: float,
+        q_dtype: torch.dtype,
+    ) -> None:
+        self.device = kv_cache.device
+        self.num_heads, self.topk, self.kv_format = num_heads, topk, kv_format
+        self.block_h = block_h(num_heads)
+        self.fp8 = kv_format == "fp8_ds_mla"
+        self.qk_scale = softmax_scale * LOG2E
+        self.block_size = kv_cache.shape[1]
+        self.num_rows = kv_cache.shape[0] * kv_cache.shape[1]
+        self.kv_strides = (kv_cache.stride(0), kv_cache.stride(1))
+        self.kv_aligned = kv_cache.data_ptr() % 16 == 0
+        self.fixed = (self.device, kv_format, q_dtype, self.block_h)
+        self.fixed_specs = tuple(_spec(v) for v in (num_heads, self.block_size, *self.kv_strides))
+        self.interpret = envs.triton_interpret()
+        self.num_stages = _num_stages(self.device, self.fp8, self.block_h)
+        self._splits: dict[int, _Split] = {}
+        self._keys: dict[tuple, tuple] = {}  # a launched call's raw description -> its key
+        self._registry = _compiled  # the variant set _keys was filled against
+        self._consts: dict[tuple, dict] = {}
+
+    def matches(self, kv_cache: torch.Tensor) -> bool:
+        """Whether ``kv_cache`` has the geometry this site was built for."""
+        return (
+            kv_cache.device == self.device
+            and kv_cache.shape[0] * kv_cache.shape[1] == self.num_rows
+            and kv_cache.shape[1] == self.block_size
+            and (kv_cache.stride(0), kv_cache.stride(1)) == self.kv_strides
+            and (kv_cache.data_ptr() % 16 == 0) == self.kv_aligned
+        )
+
+    def split(self, num_tokens: int) -> _Split:
+        hit = self._splits.get(num_tokens)
+        if hit is None:
+            plan = split_plan(num_tokens, self.num_heads, self.topk)
+            m_off, l_off, need = plan.layout()
+            hit = self._splits[num_tokens] = _Split(
+                plan,
+                m_off // 4,
+                l_off // 4,
+                need,
+                (num_tokens, triton.cdiv(self.num_heads, self.block_h), plan.num_splits),
+                (num_tokens, self.num_heads),
+                plan.split_len,
+                plan.num_splits,
+            )
+        return hit
+
+    def _key(self, raw: tuple) -> tuple:
+        """The variant key (what Triton specializes on) of a call's ``raw`` description:
+        (direct, flags, pointer alignments mod 16, q/out strides, lse stride)."""
+        direct, flags, aligns, s_qn, s_qp, s_out, s_lse = raw
+        ints = (s_qn[0], s_qn[1], s_qp[0], s_qp[1], s_out[0] if direct else 0)
+        ints += (s_out[1] if direct else 0, s_lse if direct else 0, s_out[0], s_out[1])
+        return (
+            *self.fixed,
+            direct,
+            flags,
+            self.kv_aligned,
+            tuple(a == 0 for a in aligns),
+            self.fixed_specs,
+            tuple(_spec(v) for v in ints),
+        )
+
+    def _constants(self, direct: bool, flags: tuple) -> dict:
+        consts = self._consts.get((direct, flags))
+        if consts is None:
+            consts = self._consts[(direct, flags)] = dict(
+                FP8=self.fp8,
+                HAS_LENGTHS=flags[0],
+                DIRECT=direct,
+                WRITE_LSE=flags[1],
+                HAS_ERR=flags[2],
+                LOGICAL=flags[3],
+                BLOCK_H=self.block_h,
+                BLOCK_K=BLOCK_K,
+                INTERPRET=self.interpret,
+                num_warps=NUM_WARPS,
+                num_stages=self.num_stages,
+            )
+        return consts
+
+    def launch(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
+        out: torch.Tensor,
+        scratch: torch.Tensor | None,
+        lengths: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        invalid: torch.Tensor | None = None,
+        req_id: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+    ) -> bool:
+        """Run both kernels on validated arguments (``out [T, H, 512]`` written); True
+        when the call's variant was new to the process (``compiled_variants()`` grew).
+
+        With ``req_id`` (int32, >= T entries) and ``block_table`` (int32 ``[requests,
+        blocks]``, block size = the cache's) ``indices`` are LOGICAL top-k positions,
+        mapped to physical rows in the kernel exactly as vLLM's conversion kernel maps
+        them (``selection.logical_to_physical`` is the torch reference).
+
+        A call whose variant this site already launched skips the variant bookkeeping
+        (one dict lookup); a new one is checked against CUDA-graph capture first.
+        """
+        t = indices.shape[0]
+        if t == 0:
+            return False
+        sp = self._splits.get(t) or self.split(t)
+        direct = sp.plan.direct
+        lens = lengths if lengths is not None else indices
+        err = invalid if invalid is not None else lens
+        if direct:
+            acc, part_m = out, (lse if lse is not None else out)
+        else:
+            if scratch is None:
+                scratch = torch.empty(sp.need, dtype=torch.uint8, device=self.device)
+            elif scratch.numel() < sp.need:
+                raise ValueError(
+                    f"scratch: expected at least {sp.need} bytes for T={t}, got {scratch.numel()}"
+                )
+            acc = part_m = scratch
+        logical = block_table is not None
+        if logical:
+            s_bt, bt_width = block_table.stride(0), block_table.shape[1]
+        else:
+            req_id, block_table, s_bt, bt_width = indices, indices, 0, 0
+        s_qn, s_qp, s_out = q_nope.stride(), q_pe.stride(), out.stride()
+        s_lse = lse.stride(0) if lse is not None else 0
+        flags = (lengths is not None, lse is not None, invalid is not None, logical)
+        aligns = (
+            q_nope.data_ptr() & 15,
+            q_pe.data_ptr() & 15,
+            indices.data_ptr() & 15,
+            lens.data_ptr() & 15,
+            acc.data_ptr() & 15,
+            part_m.data_ptr() & 15,
+            err.data_ptr() & 15,
+            out.data_ptr() & 15,
+        )
+        raw = (direct, flags, aligns, s_qn, s_qp, s_out, s_lse)
+        if self._registry is not _compiled:  # the variant set was replaced (tests)
+            self._keys.clear()
+            self._registry = _compiled
+        key = self._keys.get(raw)
+        new = key is None
+        if new:
+            key = self._key(raw)
+            if key not in _compiled and capturing(self.device):
+                raise SparseMLANotPrepared(
+                    f"sparse MLA variant ({self.kv_format}, q {q_nope.dtype}, "
+                    f"{'direct' if direct else 'split-K'}, lengths={flags[0]}, "
+                    f"lse={flags[1]}, H={self.num_heads}) was not compiled before CUDA-graph "
+                    "capture: call vllm_mla.ops.sparse_mla.prewarm(...) with this cache first"
+                )
+        s_o = (s_out[0], s_out[1], s_lse) if direct else (0, 0, 0)
+        _sparse_mla_split_kernel[sp.grid](
+            q_nope,
+            q_pe,
+            kv_cache,
+            indices,
+            lens,
+            acc,
+            part_m,
+            part_m,
+            err,
+            req_id,
+            block_table,
+            s_bt,
+            bt_width,
+            sp.m_off,
+            sp.l_off,
+            t,
+            self.num_heads,
+            self.topk,
+            sp.split_len,
+            self.block_size,
+            self.num_rows,
+            self.qk_scale,
+            s_qn[0],
+            s_qn[1],
+            s_qp[0],
+            s_qp[1],
+            self.kv_strides[0],
+            self.kv_strides[1],
+            indices.stride(0),
+            *s_o,
+            **self._consts.get((direct, flags)) or self._constants(direct, flags),
+        )
+        if not direct:
+            _sparse_mla_combine_kernel[sp.combine_grid](
+                scratch,
+                sp.m_off,
+                sp.l_off,
+                out,
+                lse if lse is not None else out,
+                self.num_heads,
+                sp.num_splits,
+                s_out[0],
+                s_out[1],
+                s_lse,
+                WRITE_LSE=flags[1],
+                INTERPRET=self.interpret,
+                num_warps=NUM_WARPS,
+            )
+        if not new:
+            return False
+        if len(self._keys) > 256:  # bounded: the strides/alignments one site sees
+            self._keys.clear()
+        self._keys[raw] = key
+        added = key not in _compiled
+        _compiled.add(key)
+        return added
+
+
+def compiled_variants() -> frozenset[tuple]:
+    """Kernel variants launched so far in this process (freeze check: compare sets)."""
+    return frozenset(_compiled)
+
+
+def compiled_count() -> int:
+    """``len(compiled_variants())`` without copying the set (the per-step freeze check)."""
+    return len(_compiled)
