@@ -11,6 +11,11 @@
 #          benchmarks/decode_path.py: bmm (BF16 pair) vs safe vs direct (MXFP8 views) at GLM-5
 #          TP4/TP8 and DeepSeek-V3 TP8 shapes, graph capture + replay, fused vs staged query,
 #          host overhead of the route.
+#   indexer (step timeouts 120 + 300 s): tests/test_sparse_indexer_triton.py on the GPU
+#          (kernels vs the torch oracle, CUDA-graph capture), then
+#          benchmarks/sparse_indexer.py: selections vs the oracle at DeepSeek-V3.2 / GLM-5
+#          shapes to 128k, graph replay with changing inputs, decode time vs vLLM's DeepGEMM
+#          indexer where it runs, % of the copy roofline.
 # The machine step runs for every part.
 #   run through the device tool:  bash benchmarks/gpu_check.sh [query|sparse|all]  (default
 #                                 all; writes under $OUT)
@@ -24,8 +29,8 @@ PY="${PYTHON:-python3}"
 step() { echo; echo "== $* ($(date +%T))"; }
 PART="${1:-all}"
 case "$PART" in
-  query|sparse|decode|all) ;;
-  *) echo "usage: $0 [query|sparse|decode|all]   (got '$PART')" >&2; exit 2 ;;
+  query|sparse|decode|indexer|all) ;;
+  *) echo "usage: $0 [query|sparse|decode|indexer|all]   (got '$PART')" >&2; exit 2 ;;
 esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
@@ -104,4 +109,14 @@ step "decode path: bmm vs safe vs direct, fused vs staged query, host overhead"
 timeout 300 "$PY" benchmarks/decode_path.py --out "$OUT/decode_path.json" 2>&1 \
   | tee "$OUT/decode_path.txt"
 echo "decode_path exit ${PIPESTATUS[0]}"
+fi
+
+if want indexer; then
+step "DSA indexer kernels on the GPU: vs the torch oracle, CUDA-graph capture"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_sparse_indexer_triton.py \
+  2>&1 | tee "$OUT/sparse_indexer_tests.txt" | tail -5
+step "DSA indexer: selections at DeepSeek-V3.2 / GLM-5 shapes, graph replay, speed vs vLLM"
+timeout 300 "$PY" benchmarks/sparse_indexer.py --out "$OUT/sparse_indexer.json" 2>&1 \
+  | tee "$OUT/sparse_indexer.txt"
+echo "sparse_indexer exit ${PIPESTATUS[0]}"
 fi

@@ -22,6 +22,8 @@ from vllm_mla.ops.sparse_mla import (
 )
 
 pytest.importorskip("triton")
+from aot import assert_fits, compile_report
+
 from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 
 SCALE = 1 / math.sqrt(192 + 64)  # GLM-5's qk head dim
@@ -583,10 +585,6 @@ def test_kernel_compiles_for_gpu_targets():
     uses (H=16 -> 16 heads per program, H=128 -> 32) with Triton's bundled ptxas (no GPU
     needed): it compiles, fits the 99 KiB shared-memory limit (SM12x, SM89) and does not
     spill."""
-    import json
-    import os
-    import subprocess
-    import sys
 
     pytest.importorskip("triton.backends.nvidia")
     cases = [[90, "fp8_ds_mla", False, 16], [120, "fp8_ds_mla", True, 16]]
@@ -594,24 +592,9 @@ def test_kernel_compiles_for_gpu_targets():
     cases += [[90, "fp8_ds_mla", False, 128], [120, "fp8_ds_mla", True, 64]]
     cases += [[80, "fp8_ds_mla", False, 128], [89, "fp8_ds_mla", True, 128]]
     cases += [[90, "bf16", False, 128], [120, "bf16", False, 64], [89, "bf16", True, 64]]
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", AOT_SCRIPT, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == len(cases)
+    report = compile_report(AOT_SCRIPT, cases)
     assert {r["block_h"] for r in report} == {16, 32}
-    for r in report:
-        assert r["shared"] <= 99 * 1024, r
-        if r["usage"]:
-            regs = int(r["usage"].split("REG:")[1].split()[0])
-            stack = int(r["usage"].split("STACK:")[1].split()[0])
-            assert regs <= 255 and stack <= 16, r  # 8 bytes of frame seen on sm120
+    assert_fits(report)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

@@ -33,7 +33,9 @@ def test_register_patches_the_lifecycle_target(registered):
         "_copy_and_restore_kernel_tensors",
         "query": "applied MLAAttention._v_up_proj",
         "cpu-mxfp8": "registered EmulationMxfp8LinearKernel for CPU (register_linear_kernel)",
+        "wake-check": "applied Worker.sleep, Worker.wake_up, Worker.execute_model",
     }
+    assert registered["sparse-indexer"].startswith("skipped: for cuda only")  # CPU here
     assert current() is not STOCK and current().__wrapped__ is STOCK
 
 

@@ -191,11 +191,14 @@ def test_our_indexer_is_what_vllm_instantiates(registered):
             4096,
             torch.full((8, 32), -1, dtype=torch.int32),
         )
-    assert type(made).__name__ == "CPUSparseAttnIndexer" and isinstance(made, SparseAttnIndexer)
+    assert type(made).__name__ == "PortableSparseAttnIndexer"
+    assert isinstance(made, SparseAttnIndexer) and not made.vllm_mla_ours  # CPU: forward_cpu
     assert "register_oot" in sparse_cpu.register()  # once per process, said so
 
 
-def test_token_contexts_read_vllms_indexer_metadata():
+def test_step_contexts_read_vllms_indexer_metadata():
+    from vllm_mla.vllm.sparse.indexer import step_contexts
+
     decode = SimpleNamespace(
         requires_padding=False,
         seq_lens=torch.tensor([[7], [3]]),
@@ -209,13 +212,28 @@ def test_token_contexts_read_vllms_indexer_metadata():
         cu_seqlen_ke=torch.tensor([2, 3, 4]),
         block_table=torch.tensor([[9, 10]], dtype=torch.int32),
     )
+    chunk.max_seqlen_k = 4
     meta = SimpleNamespace(
-        num_decodes=2, decode=decode, num_prefills=1, prefill=SimpleNamespace(chunks=[chunk])
+        num_decodes=2,
+        decode=decode,
+        num_prefills=1,
+        prefill=SimpleNamespace(chunks=[chunk]),
+        max_seq_len=7,
     )
-    tokens, tables, lengths = sparse_cpu.token_contexts(meta)
-    assert tokens == [0, 1, 2, 3, 4]
-    assert lengths.tolist() == [7, 3, 2, 3, 4]
-    assert tables.tolist() == [[5, 6], [7, 8], [9, 10], [9, 10], [9, 10]]
+    groups = step_contexts(meta)
+    assert [g[0].tolist() for g in groups] == [[0, 1], [2, 3, 4]]  # decode, then the chunk
+    assert [g[2].tolist() for g in groups] == [[7, 3], [2, 3, 4]]
+    assert [g[1].tolist() for g in groups] == [[[5, 6], [7, 8]], [[9, 10]] * 3]
+    assert [g[3] for g in groups] == [7, 4]  # host bounds: no sync
+    # native MTP: seq_lens [B, next_n] -> one row per draft position, its table repeated
+    decode.seq_lens = torch.tensor([[6, 7], [2, 3]])
+    meta.num_prefills = 0
+    ((rows, tables, lengths, _),) = step_contexts(meta)
+    assert rows.tolist() == [0, 1, 2, 3] and lengths.tolist() == [6, 7, 2, 3]
+    assert tables.tolist() == [[5, 6], [5, 6], [7, 8], [7, 8]]
+    del chunk.max_seqlen_k  # vLLM 0.32's chunks: the step's max_seq_len bounds them
+    meta.num_prefills = 1
+    assert step_contexts(meta)[-1][3] == 7
     decode.requires_padding = True
     with pytest.raises(NotImplementedError, match="uniform decode"):
-        sparse_cpu.token_contexts(meta)
+        step_contexts(meta)

@@ -27,6 +27,17 @@ def _make_visible() -> None:
     logger.addHandler(handler)
 
 
+def _cuda_indexer() -> str:
+    """Feature ``sparse-indexer``: the portable DSA indexer on CUDA (VLLM_MLA_INDEXER)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return "skipped: for cuda only (on CPU feature sparse-cpu serves the indexer)"
+    from vllm_mla.vllm.sparse import indexer
+
+    return indexer.register("cuda")
+
+
 def register() -> dict[str, str]:
     """Apply the enabled patches (idempotent); returns {feature: outcome}."""
     global _result
@@ -49,6 +60,8 @@ def register() -> dict[str, str]:
         from vllm_mla.vllm.sparse import cpu
 
         _result["sparse-cpu"] += "; " + cpu.register()
+    if _result.get("sparse-indexer", "").startswith("applied"):
+        _result["sparse-indexer"] = _cuda_indexer()
     if "cpu-mxfp8" in _result:
         from vllm_mla.vllm import cpu_mxfp8
 
@@ -66,6 +79,9 @@ def reset() -> None:
     from vllm_mla.vllm import patches
 
     patches.revert()
+    from vllm_mla.vllm.wake_check import STATE
+
+    STATE.reset()
     try:
         from vllm_mla.vllm.sparse import registration
 

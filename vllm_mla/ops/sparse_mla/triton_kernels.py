@@ -199,7 +199,7 @@ def _sparse_mla_split_kernel(
 
     end = K
     if HAS_LENGTHS:
-        end = tl.minimum(tl.load(len_ptr + t), K)
+        end = tl.minimum(tl.load(len_ptr + t), K)  # contiguous (launch() sees to it)
     start = split * split_len
     end = tl.minimum(end, start + split_len)
 
@@ -453,6 +453,10 @@ def launch(
     t, h = args.num_tokens, args.num_heads
     if t == 0:
         return
+    if lengths is not None and lengths.stride(0) != 1:
+        # The kernel reads lengths[t] at len_ptr + t (a stride argument costs sm120 a
+        # larger frame); a strided [T] view is rare enough to copy (T int32s).
+        lengths = lengths.contiguous()
     key = (kv_cache.device, kv_cache.shape[:2], kv_cache.stride()[:2], kv_cache.data_ptr() & 15)
     key += (h, args.topk, kv_format, softmax_scale, args.q_nope.dtype)
     site = _sites.get(key)

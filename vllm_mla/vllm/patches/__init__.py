@@ -58,6 +58,21 @@ the two agree and that every target exists in the installed vLLM):
     why: off CUDA/XPU it needs Triton, which vLLM CPU runs without
     removal: when vLLM ships a CPU per_token_group_fp8_quant
 
+``wake_check_sleep`` (feature ``wake-check``, vLLM 0.32 and 0.33)
+    target: ``vllm.v1.worker.gpu_worker.Worker.sleep``
+    why: vLLM keeps no flag for weights discarded by sleep level 2 and not reloaded
+    removal: when vLLM refuses to serve weights discarded and not reloaded
+
+``wake_check_wake_up`` (feature ``wake-check``, vLLM 0.32 and 0.33)
+    target: ``vllm.v1.worker.gpu_worker.Worker.wake_up``
+    why: waking the weights after a level-2 sleep makes the check due
+    removal: with ``wake_check_sleep``
+
+``wake_check_execute_model`` (feature ``wake-check``, vLLM 0.32 and 0.33)
+    target: ``vllm.v1.worker.gpu_worker.Worker.execute_model``
+    why: the first step after the wake-up is the last moment before garbage is served
+    removal: with ``wake_check_sleep``
+
 The ``sparse`` feature also registers the ``B12X_MLA_SPARSE`` backend (and ``CUSTOM``)
 through ``vllm_mla.vllm.sparse.registration``, and ``sparse-cpu`` registers the CPU DSA
 indexer (``SparseAttnIndexer.register_oot``) and a torch stand-in for the indexer
@@ -249,6 +264,42 @@ PATCHES: tuple[Patch, ...] = (
         removal="when vLLM ships a CPU per_token_group_fp8_quant",
         factory="vllm_mla.vllm.patches.cpu_indexer_query_quant:make_per_token_group_quant_fp8",
         platforms=("cpu",),
+    ),
+    Patch(
+        name="wake_check_sleep",
+        feature="wake-check",
+        module="vllm.v1.worker.gpu_worker",
+        qualname="Worker.sleep",
+        params=("self", "level"),
+        versions=SUPPORTED_VLLM,
+        why="vLLM keeps no flag for weights discarded by sleep level 2 and not reloaded",
+        how="after the original, a level-2 sleep arms vllm_mla.vllm.wake_check",
+        removal="when vLLM refuses to serve weights discarded and not reloaded",
+        factory="vllm_mla.vllm.patches.wake_check_sleep:make_sleep",
+    ),
+    Patch(
+        name="wake_check_wake_up",
+        feature="wake-check",
+        module="vllm.v1.worker.gpu_worker",
+        qualname="Worker.wake_up",
+        params=("self", "tags"),
+        versions=SUPPORTED_VLLM,
+        why="the check is due once the weights are woken up after a level-2 sleep",
+        how="after the original, waking the weights makes the armed check due",
+        removal="with wake_check_sleep",
+        factory="vllm_mla.vllm.patches.wake_check_wake_up:make_wake_up",
+    ),
+    Patch(
+        name="wake_check_execute_model",
+        feature="wake-check",
+        module="vllm.v1.worker.gpu_worker",
+        qualname="Worker.execute_model",
+        params=("self", "scheduler_output"),
+        versions=SUPPORTED_VLLM,
+        why="the first step after the wake-up is the last moment before garbage is served",
+        how="when the check is due, compare the MLA fingerprints once, then the original",
+        removal="with wake_check_sleep",
+        factory="vllm_mla.vllm.patches.wake_check_execute_model:make_execute_model",
     ),
 )
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from vllm_mla import envs
 from vllm_mla.backends import capabilities_for, lifecycle_config
-from vllm_mla.vllm import telemetry
+from vllm_mla.vllm import telemetry, wake_check
 from vllm_mla.weights import LifecycleConfig, forms, post_load
 from vllm_mla.weights.absorb import state_of
 from vllm_mla.weights.direct import DIRECT_DECODES, DirectModeError
@@ -168,6 +168,7 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
             telemetry.record_post_load(name, f"delegated: {reason}")
             result = original(self, act_dtype)
             _bind_route(self, name)
+            wake_check.STATE.register(self, name)
             return result
         config = layer_config(self)
         self.impl.process_weights_after_loading(act_dtype)
@@ -182,6 +183,7 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
         telemetry.record_post_load(name, report.action)
         if config.absorbed == "bf16":
             _bind_route(self, name)
+        wake_check.STATE.register(self, name)  # after every (re)load: allocates nothing
 
     process_weights_after_loading.__doc__ = original.__doc__
     process_weights_after_loading.__qualname__ = original.__qualname__

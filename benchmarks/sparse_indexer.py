@@ -1,0 +1,218 @@
+"""The portable DSA indexer (Triton) at DeepSeek-V3.2 / GLM-5 shapes: selections, graphs, speed.
+
+1. Selections vs the torch oracle (``sparse_indexer.reference``): index heads 64
+   (DeepSeek-V3.2) and 32 (GLM-5), head dim 128, top-k 2048, contexts 4k / 32k / 128k
+   (ragged within a batch), 64-row pages in shuffled order. A token's selection must be
+   the oracle's, except where a candidate swapped at the top-k boundary has a logit
+   within ``LOGIT_RTOL`` (relative, of the boundary logit) of the K-th: those are
+   counted and reported (``near_ties``), any other difference fails.
+2. CUDA graphs: one decode step (T = 8, 32k) captured, replayed with new q / weights /
+   lengths copied into the captured buffers; each replay must match the oracle.
+3. Decode speed: median CUDA-graph replay of ``index_topk`` (logits + top-k) at T in
+   {1, 32, 64}, context 32k and 128k; index-key bytes read = sum of lengths x 132 over
+   the copy bandwidth measured in the same run -> % roofline. Where vLLM's DeepGEMM
+   indexer runs (Hopper, Blackwell), its decode (``fp8_fp4_paged_mqa_logits`` +
+   vLLM's top-k dispatcher) is timed the same way, side by side: ratio ours / vLLM.
+
+    python benchmarks/sparse_indexer.py --out $OUT/sparse_indexer.json   # GPU, ~3 min H200
+    python benchmarks/sparse_indexer.py --smoke --out /tmp/i.json         # CPU, interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, environment, graph_time_us
+
+from vllm_mla.ops.sparse_indexer import RECORD_BYTES, reference
+from vllm_mla.ops.sparse_indexer import triton_kernels as tk
+
+BLOCK = 64
+TOPK = 2048
+
+
+def make_case(t: int, heads: int, context: int, device, gen, *, topk: int = TOPK) -> dict:
+    """T tokens of T requests (ragged lengths up to ``context``), their keys in a paged
+    cache whose pages are shuffled (block tables are permutations)."""
+    blocks_per_req = -(-context // BLOCK)
+    num_blocks = t * blocks_per_req
+    cache = torch.zeros(num_blocks, BLOCK, RECORD_BYTES, dtype=torch.uint8, device=device)
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu").to(device)
+    tables = perm.view(t, blocks_per_req).to(torch.int32)
+    lengths = torch.randint(context // 2, context + 1, (t,), generator=gen, device="cpu")
+    lengths[0] = context
+    lengths = lengths.to(device=device, dtype=torch.int32)
+    slots = (tables.long()[:, :, None] * BLOCK + torch.arange(BLOCK, device=device)).view(-1)
+    for start in range(0, slots.numel(), 1 << 16):
+        part = slots[start : start + (1 << 16)]
+        keys = torch.randn(part.numel(), 128, device=device)  # torch.manual_seed in main
+        tk.insert_keys(cache, keys, part)
+    q = (torch.randn(t, heads, 128, generator=gen, device="cpu") * 2).to(device)
+    weights = torch.rand(t, heads, generator=gen, device="cpu").to(device) / heads**0.5
+    return {
+        "cache": cache,
+        "tables": tables,
+        "lengths": lengths,
+        "q": q.to(torch.float8_e4m3fn),
+        "weights": weights,
+        "topk": topk,
+        "context": context,
+    }
+
+
+def compare(case: dict, got: torch.Tensor) -> dict:
+    """Per token: the oracle's selection vs ``got``; differences explained by a boundary
+    near-tie (within LOGIT_RTOL of the K-th logit) are counted, others are errors."""
+    errors, near = 0, 0
+    cache, q, w = case["cache"], case["q"].float(), case["weights"]
+    for i in range(got.shape[0]):
+        length = int(case["lengths"][i])
+        rows = reference.request_rows(case["tables"][i], length, BLOCK)
+        k, ks = reference.read_keys(cache, rows)
+        logits = reference.logits(q[i : i + 1], w[i : i + 1], k, ks)[0]
+        want = reference.select_topk(logits[None], case["lengths"][i : i + 1], case["topk"])[0]
+        if torch.equal(got[i], want):
+            continue
+        kth = logits[want[want >= 0][-1]].item() if (want >= 0).any() else 0.0
+        mine = set(got[i][got[i] >= 0].tolist())
+        theirs = set(want[want >= 0].tolist())
+        swapped = list(mine ^ theirs)
+        tol = tk.LOGIT_RTOL * max(abs(kth), 1e-30)
+        if (
+            len(mine) == len(theirs)
+            and swapped
+            and all(abs(logits[j].item() - kth) <= tol for j in swapped)
+        ):
+            near += 1
+        else:
+            errors += 1
+    return {"errors": errors, "near_ties": near, "ok": errors == 0}
+
+
+def ours(case: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    return tk.index_topk(
+        case["q"],
+        case["weights"],
+        case["cache"],
+        case["tables"],
+        case["lengths"],
+        case["topk"],
+        max_len=case["context"],
+        out=out,
+    )
+
+
+def vllm_decode(case: dict):
+    """vLLM's DeepGEMM decode indexer on the same step, or (None, why)."""
+    try:
+        from vllm.model_executor.layers.sparse_attn_indexer import get_indexer_topk
+        from vllm.utils.deep_gemm import (
+            fp8_fp4_paged_mqa_logits,
+            get_num_sms,
+            get_paged_mqa_logits_metadata,
+            is_deep_gemm_supported,
+        )
+    except Exception as exc:  # vLLM absent or another version
+        return None, f"vLLM's indexer functions do not import: {exc}"
+    if not is_deep_gemm_supported():
+        return None, "DeepGEMM is not supported on this GPU"
+    t = case["q"].shape[0]
+    lens = case["lengths"].view(t, 1)
+    sched = get_paged_mqa_logits_metadata(lens, BLOCK, get_num_sms())
+    cache = case["cache"].view(case["cache"].shape[0], BLOCK, 1, RECORD_BYTES)
+    q = case["q"].view(t, 1, *case["q"].shape[1:])
+    out = torch.full((t, case["topk"]), -1, dtype=torch.int32, device=q.device)
+    topk = get_indexer_topk("auto")
+
+    def step():
+        logits = fp8_fp4_paged_mqa_logits(
+            (q, None), cache, case["weights"], lens, case["tables"], sched, case["context"]
+        )
+        topk(logits, lens, 1, out, case["topk"], case["context"])
+        return out
+
+    try:
+        step()
+    except Exception as exc:
+        return None, f"vLLM's decode indexer failed here: {type(exc).__name__}: {exc}"[:300]
+    return step, ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    report: dict = {"env": environment(), "checks": [], "graph": [], "timing": []}
+    if args.smoke:
+        device = torch.device("cpu")
+        gen = torch.Generator().manual_seed(0)
+        for t, heads, context in ((2, 4, 200), (3, 32, 130)):
+            case = make_case(t, heads, context, device, gen, topk=64)
+            row = {"T": t, "H": heads, "context": context, **compare(case, ours(case))}
+            report["checks"].append(row)
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: use --smoke", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        gen = torch.Generator().manual_seed(0)
+        bw = copy_bandwidth(device)
+        report["copy_bandwidth_GBps"] = bw / 1e9
+        for heads in (64, 32):
+            for t, context in ((1, 131072), (8, 32768), (32, 4096)):
+                case = make_case(t, heads, context, device, gen)
+                row = {"T": t, "H": heads, "context": context, **compare(case, ours(case))}
+                report["checks"].append(row)
+                print(row, flush=True)
+        # graph replay with changing inputs
+        case = make_case(8, 64, 32768, device, gen)
+        out = torch.empty(8, TOPK, dtype=torch.int32, device=device)
+        ours(case, out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ours(case, out)
+        for seed in range(3):
+            fresh = make_case(8, 64, 32768, device, torch.Generator().manual_seed(100 + seed))
+            for name in ("q", "weights", "lengths"):
+                case[name].copy_(fresh[name])
+            case["cache"].copy_(fresh["cache"])
+            case["tables"].copy_(fresh["tables"])
+            graph.replay()
+            torch.cuda.synchronize()
+            report["graph"].append({"replay": seed, **compare(case, out.clone())})
+        print(report["graph"], flush=True)
+        for context in (32768, 131072):
+            for t in (1, 32, 64):
+                case = make_case(t, 64, context, device, gen)
+                us = graph_time_us(lambda case=case: ours(case))
+                nbytes = int(case["lengths"].sum()) * RECORD_BYTES
+                row = {"T": t, "H": 64, "context": context, "ours_us": us, "key_bytes": nbytes}
+                row["pct_roofline"] = 100 * nbytes / (us * 1e-6) / bw
+                step, why = vllm_decode(case)
+                if step is not None:
+                    row["vllm_us"] = graph_time_us(step)
+                    row["ours_over_vllm"] = us / row["vllm_us"]
+                else:
+                    row["vllm"] = why
+                report["timing"].append(row)
+                print(row, flush=True)
+    report["seconds"] = time.perf_counter() - started
+    report["ok"] = all(c["ok"] for c in report["checks"] + report["graph"])
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print("PASS" if report["ok"] else "FAIL", f"({report['seconds']:.1f} s)")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

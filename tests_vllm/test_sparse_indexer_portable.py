@@ -1,0 +1,254 @@
+"""The portable DSA indexer (``vllm_mla.vllm.sparse.indexer``) against vLLM's own classes.
+
+No GPU here: the CUDA path's selection logic (``select`` with the Triton kernels) runs in
+Triton's CPU interpreter in a subprocess (the interpreter is chosen when Triton decorates
+the kernels) and must equal the torch oracle's selection on the same vLLM-shaped step;
+the choice rule (``VLLM_MLA_INDEXER``), the DeepGEMM guard we lift at construction and
+the dispatch to vLLM's own methods are checked on vLLM's ``SparseAttnIndexer``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_mla.ops import sparse_indexer
+from vllm_mla.vllm.sparse import indexer
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 64  # vLLM's index-cache block size
+
+
+def step(seed: int = 0, topk: int = 16):
+    """One vLLM-shaped indexer step: 2 decode requests with next_n = 2 (native MTP seq_lens
+    [B, 2]) and one prefill chunk of 3 tokens, their keys inserted into a 6-page cache."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(6, BS, sparse_indexer.RECORD_BYTES, dtype=torch.uint8)
+    slots = torch.arange(6 * BS)
+    k = torch.randn(slots.shape[0], 128, generator=gen)
+    sparse_indexer.insert_keys(cache, k, slots)
+    t = 7
+    q = (torch.randn(t, 4, 128, generator=gen) * 3).to(torch.float8_e4m3fn)
+    weights = torch.rand(t, 4, generator=gen)
+    decode = SimpleNamespace(
+        requires_padding=False,
+        seq_lens=torch.tensor([[70, 71], [5, 6]]),
+        block_table=torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
+    )
+    chunk = SimpleNamespace(
+        token_start=4,
+        token_end=7,
+        cu_seq_lens=torch.tensor([0, 130]),
+        cu_seqlen_ks=torch.tensor([0, 0, 0]),
+        cu_seqlen_ke=torch.tensor([128, 129, 130]),
+        block_table=torch.tensor([[5, 4, 0]], dtype=torch.int32),
+        max_seqlen_k=130,
+    )
+    meta = SimpleNamespace(
+        num_decodes=2,
+        decode=decode,
+        num_prefills=1,
+        prefill=SimpleNamespace(chunks=[chunk]),
+        max_seq_len=130,
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64),  # keys already inserted
+    )
+    layer = SimpleNamespace(
+        k_cache=SimpleNamespace(kv_cache=cache),
+        scale_fmt="ue8m0",
+        topk_tokens=topk,
+        topk_indices_buffer=torch.full((16, topk), 7, dtype=torch.int32),
+    )
+    return layer, torch.zeros(t, 8), q, k[:t], weights, meta
+
+
+@pytest.mark.parametrize("budget", [None, 28 * 130 * 2])
+def test_select_with_the_oracle_matches_a_per_token_computation(budget):
+    layer, hidden, q, k, weights, meta = step()
+    out = indexer.select(
+        layer, hidden, q, k, weights, meta, indexer.ReferenceKernels, budget_bytes=budget
+    ).clone()
+    rows = [(0, 0, 70), (1, 0, 71), (2, 1, 5), (3, 1, 6), (4, 2, 128), (5, 2, 129), (6, 2, 130)]
+    tables = torch.tensor([[3, 1, 0], [2, 0, 0], [5, 4, 0]], dtype=torch.int32)
+    for token, table, length in rows:
+        expected = sparse_indexer.index_topk(
+            q[token : token + 1].float(),
+            weights[token : token + 1],
+            layer.k_cache.kv_cache,
+            tables[table : table + 1],
+            torch.tensor([length], dtype=torch.int32),
+            layer.topk_tokens,
+        )
+        assert torch.equal(out[token], expected[0]), token
+    assert (out[7:] == 7).all()  # rows past the step are the buffer's own
+    assert (out[2, 5:] == -1).all()  # a 5-key context selects 5, then -1
+
+
+SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_sparse_indexer_portable import step
+from vllm_mla.vllm.sparse import indexer
+for seed in (0, 1, 2):
+    layer, hidden, q, k, weights, meta = step(seed)
+    ref = indexer.select(layer, hidden, q, k, weights, meta, indexer.ReferenceKernels).clone()
+    layer2, hidden, q, k, weights, meta = step(seed)
+    got = indexer.select(layer2, hidden, q, k, weights, meta, indexer.triton_kernels(),
+                         max_decode_len=256)  # a static decode width past every length
+    assert torch.equal(got, ref), (seed, (got != ref).nonzero()[:8].tolist())
+    layer3, hidden, q, k, weights, meta = step(seed)  # row blocks of one token each
+    blocked = indexer.select(layer3, hidden, q, k, weights, meta, indexer.triton_kernels(),
+                             max_decode_len=256, budget_bytes=28 * 256)
+    assert torch.equal(blocked, ref), seed
+    # the keys inserted by the Triton kernel equal the oracle's, byte for byte
+    slots = torch.arange(3 * 64)
+    c1 = torch.zeros(3, 64, 132, dtype=torch.uint8)
+    c2 = torch.zeros_like(c1)
+    keys = torch.randn(slots.shape[0], 128)
+    indexer.ReferenceKernels.insert_keys(c1, keys, slots, ue8m0=True)
+    indexer.triton_kernels().insert_keys(c2, keys, slots, ue8m0=True)
+    assert torch.equal(c1, c2), seed
+print("OK")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_the_cuda_path_selection_in_the_triton_interpreter_equals_the_oracles():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# -- the choice and the construction ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("choice", "runs", "ours"),
+    [("auto", False, True), ("auto", True, False), ("ours", True, True), ("vllm", False, False)],
+)
+def test_the_choice_follows_vllm_mla_indexer(monkeypatch, choice, runs, ours):
+    monkeypatch.setenv("VLLM_MLA_INDEXER", choice)
+    monkeypatch.setattr(indexer, "vllm_indexer_runs", lambda device=None: (runs, "why"))
+    assert indexer.ours_on_cuda()[0] is ours
+
+
+def test_a_bad_choice_names_the_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_INDEXER", "deepgemm")
+    with pytest.raises(ValueError, match="VLLM_MLA_INDEXER must be one of"):
+        indexer.ours_on_cuda()
+
+
+def test_the_deepgemm_guard_we_lift_is_the_one_vllm_has():
+    """The constructor guard is ``current_platform.is_cuda() and not has_deep_gemm()``
+    reading the module's ``has_deep_gemm``: what ``_deep_gemm_guard_lifted`` replaces."""
+    module = importlib.import_module(indexer.BASE_MODULE)
+    source = inspect.getsource(module.SparseAttnIndexer.__init__)
+    assert "if current_platform.is_cuda() and not has_deep_gemm():" in source
+    assert source.count("has_deep_gemm") == 1  # nothing else in the constructor reads it
+    original = module.has_deep_gemm
+    with indexer._deep_gemm_guard_lifted(module):
+        assert module.has_deep_gemm() is True
+    assert module.has_deep_gemm is original
+
+
+def construct(cls, config=None):
+    from vllm.config import set_current_vllm_config
+    from vllm_layers import vllm_config
+
+    with set_current_vllm_config(config or vllm_config()):
+        return cls(
+            SimpleNamespace(prefix="k_cache"),
+            128,
+            "ue8m0",
+            32,
+            128,
+            256,
+            4096,
+            torch.full((8, 32), -1, dtype=torch.int32),
+        )
+
+
+def test_on_cuda_without_deepgemm_ours_constructs_and_vllms_raises(monkeypatch):
+    """CUDA stood in for by the platform's ``is_cuda`` (the only platform check in the
+    constructor); DeepGEMM absent as on A100/L40S/RTX 4090/5090."""
+    from vllm.platforms import current_platform
+    from vllm_layers import vllm_config
+
+    config = vllm_config()  # built on the real platform
+    module = importlib.import_module(indexer.BASE_MODULE)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    monkeypatch.setattr(module, "has_deep_gemm", lambda: False)
+    monkeypatch.setenv("VLLM_MLA_INDEXER", "auto")
+    monkeypatch.setattr(indexer, "vllm_indexer_runs", lambda device=None: (False, "no DeepGEMM"))
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    made = construct(indexer.make_indexer(), config)
+    assert made.vllm_mla_ours and made.topk_tokens == 32
+    # control: vLLM's own (CustomOp builds a registered out-of-tree class instead: drop it)
+    monkeypatch.delitem(op_registry_oot, module.SparseAttnIndexer.__name__, raising=False)
+    with pytest.raises(RuntimeError, match="requires DeepGEMM"):
+        construct(module.SparseAttnIndexer, config)
+    monkeypatch.setenv("VLLM_MLA_INDEXER", "vllm")  # forced: vLLM's behaviour, its error
+    with pytest.raises(RuntimeError, match="requires DeepGEMM"):
+        construct(indexer.make_indexer(), config)
+
+
+def test_forward_cuda_dispatches_ours_or_vllms(monkeypatch):
+    module = importlib.import_module(indexer.BASE_MODULE)
+    cls = indexer.make_indexer()
+    made = construct(cls)
+    calls = []
+    monkeypatch.setattr(module.SparseAttnIndexer, "forward_cuda", lambda *a: calls.append("vllm"))
+    monkeypatch.setattr(indexer, "_forward_context_metadata", lambda layer: "meta")
+    monkeypatch.setattr(indexer, "select", lambda *a, **k: calls.append(("ours", k)))
+    made.vllm_mla_ours = False
+    made.forward_cuda(None, None, None, None)
+    made.vllm_mla_ours = True
+    made.forward_cuda(None, None, None, None)
+    assert calls[0] == "vllm" and calls[1][0] == "ours"
+    assert calls[1][1]["max_decode_len"] == 256  # static decode width: max_model_len
+    assert calls[1][1]["budget_bytes"] == 512 << 20  # vLLM's indexer logits bound
+    made.skip_k_cache_insert = True  # DeepSeek-V4's indexer: always vLLM's
+    assert indexer._delegates(made)
+
+
+def test_our_logits_equal_vllms_own_cpu_kernel_on_the_same_cache():
+    """vLLM CPU's ``fp8_paged_mqa_logits_cpu`` (DeepSeek-V4's CPU indexer kernel) reads the
+    same index-key page layout; where it runs, our oracle's logits are its logits."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    kernel = getattr(ops, "fp8_paged_mqa_logits_cpu", None)
+    if kernel is None:
+        pytest.skip("this vLLM has no fp8_paged_mqa_logits_cpu")
+    gen = torch.Generator().manual_seed(3)
+    nb, heads = 4, 8
+    cache = torch.zeros(nb, BS, sparse_indexer.RECORD_BYTES, dtype=torch.uint8)
+    sparse_indexer.insert_keys(
+        cache, torch.randn(nb * BS, 128, generator=gen), torch.arange(nb * BS)
+    )
+    q = (torch.randn(3, heads, 128, generator=gen) * 2).to(torch.float8_e4m3fn)
+    weights = torch.rand(3, heads, generator=gen)
+    lengths = torch.tensor([200, 64, 5], dtype=torch.int32)
+    table = torch.tensor([[2, 0, 3, 1], [1, 2, 0, 3], [3, 0, 0, 0]], dtype=torch.int32)
+    try:
+        theirs = kernel(q, cache.view(nb, -1), weights, lengths, table, BS, 200)
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:  # no CPU kernels built
+        pytest.skip(f"vLLM's CPU indexer kernel does not run here: {exc}")
+    for t in range(3):
+        length = int(lengths[t])
+        k, k_scale = sparse_indexer.read_keys(
+            cache, sparse_indexer.request_rows(table[t], length, BS)
+        )
+        ours = sparse_indexer.logits(q[t : t + 1].float(), weights[t : t + 1], k, k_scale)[0]
+        torch.testing.assert_close(theirs[t, :length], ours, rtol=1e-5, atol=1e-5)

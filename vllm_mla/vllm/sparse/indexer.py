@@ -1,0 +1,310 @@
+"""The portable DSA lightning indexer (DeepSeek-V3.2 / GLM-5): vLLM's ``SparseAttnIndexer``
+where vLLM's own cannot run.
+
+vLLM 0.33's CUDA indexer needs DeepGEMM (``SparseAttnIndexer.__init__`` raises without
+it; DeepGEMM serves Hopper and Blackwell only, its sparse MQA-logits kernels SM100), and
+on SM12x its top-k fallback asks for more shared memory than the ~99 KiB there. Its CPU
+``forward_cpu`` is DeepSeek-V4's (it refuses the V3.2 indexer). vLLM's own extension API
+puts ours in its place without a monkeypatch: ``SparseAttnIndexer.register_oot(cls)``
+makes every model that builds an indexer build ``cls`` instead.
+
+``PortableSparseAttnIndexer`` (one class for both platforms, since an op has one
+out-of-tree class):
+
+- **CPU** (feature ``sparse-cpu``): ``forward_cpu`` selects with the torch oracle
+  (``vllm_mla.ops.sparse_indexer.reference``).
+- **CUDA** (feature ``sparse-indexer``, ``VLLM_MLA_INDEXER``): where the choice is ours,
+  ``forward_cuda`` selects with the Triton kernels
+  (``vllm_mla.ops.sparse_indexer.triton_kernels``: index-key insert, paged logits over
+  each token's block table, exact top-k), all tensor ops: no host sync, no
+  data-dependent shape (decode logits are ``[T, max_model_len]``), so a captured graph
+  replays it. Otherwise vLLM's ``forward_cuda`` runs unchanged.
+- DeepSeek-V4's indexers (``skip_k_cache_insert``, fp4 cache, candidate blocks) and
+  DCP/PCP always go to vLLM's own methods.
+
+``VLLM_MLA_INDEXER``: ``auto`` (default: ours on CUDA when DeepGEMM is missing or the
+GPU is SM12x; vLLM's elsewhere), ``ours``, ``vllm``.
+
+Construction on CUDA without DeepGEMM: vLLM's ``__init__`` sets every attribute, then
+raises when ``current_platform.is_cuda() and not has_deep_gemm()``. Ours runs it with
+that module's ``has_deep_gemm`` answering True for the duration of the call (nothing
+else in the constructor reads it; a test reads vLLM's source to confirm the guard is
+still that one line). Removal: when vLLM checks for DeepGEMM in ``forward_cuda`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from types import ModuleType
+
+import torch
+
+from vllm_mla import envs
+from vllm_mla.ops.sparse_indexer import reference
+from vllm_mla.vllm import telemetry
+
+logger = logging.getLogger("vllm_mla")
+BASE_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
+# Bytes per (token, position) score while selecting: the fp32 logit and the top-k's
+# int64 key, its order and the gathered result (triton_kernels.select_topk).
+TOPK_BYTES_PER_SCORE = 4 + 3 * 8
+_registered: str | None = None
+
+
+def vllm_indexer_runs(device: torch.device | None = None) -> tuple[bool, str]:
+    """(whether vLLM 0.33's CUDA indexer can run here, why not)."""
+    from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+    if not is_deep_gemm_supported():
+        return False, "DeepGEMM is not available (vLLM's CUDA indexer needs it)"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major == 12:
+        return False, "SM12x: vLLM's top-k fallback needs more shared memory than ~99 KiB"
+    return True, ""
+
+
+def ours_on_cuda() -> tuple[bool, str]:
+    """(whether the CUDA indexer is ours, why) under ``VLLM_MLA_INDEXER``."""
+    choice = envs.indexer_choice()
+    if choice != "auto":
+        return choice == "ours", f"VLLM_MLA_INDEXER={choice}"
+    runs, why = vllm_indexer_runs()
+    return (not runs), (why or "vLLM's indexer runs here")
+
+
+# -- one step's tokens: which rows, whose block table, how long a context -----------------
+def step_contexts(meta: object) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Per group of tokens the indexer scores this step (decode first, then each prefill
+    chunk): ``(rows int64 [n], block-table rows int32 [n, W], causal lengths int32 [n],
+    bound)`` with ``bound`` a host-side upper bound of the lengths (decode: the
+    metadata's ``max_seq_len``; prefill: the chunk's ``max_seqlen_k`` on vLLM 0.33, the
+    step's ``max_seq_len`` on 0.32, which has no per-chunk bound). Tensor ops only: no
+    host sync."""
+    groups = []
+    decode = meta.decode
+    if meta.num_decodes and decode is not None:
+        if decode.requires_padding:
+            raise NotImplementedError(
+                "the portable DSA indexer serves uniform decode only (no padded "
+                "speculative-decode batches)"
+            )
+        seq = decode.seq_lens
+        per_req = seq.shape[1] if seq.dim() == 2 else 1
+        seq = seq.reshape(seq.shape[0], per_req)
+        rows = torch.arange(seq.numel(), device=seq.device)
+        tables = decode.block_table[: seq.shape[0]].repeat_interleave(per_req, dim=0)
+        groups.append((rows, tables, seq.reshape(-1).to(torch.int32), int(meta.max_seq_len)))
+    prefill = meta.prefill
+    if meta.num_prefills and prefill is not None:
+        for chunk in prefill.chunks:
+            n = chunk.token_end - chunk.token_start
+            ks, ke = chunk.cu_seqlen_ks[:n], chunk.cu_seqlen_ke[:n]
+            request = torch.searchsorted(chunk.cu_seq_lens.long(), ks.long(), right=True) - 1
+            rows = torch.arange(chunk.token_start, chunk.token_end, device=ks.device)
+            lengths = (ke - ks).to(torch.int32)
+            # vLLM 0.33 states the chunk's bound; 0.32 has only the step's max_seq_len
+            bound = getattr(chunk, "max_seqlen_k", None) or meta.max_seq_len
+            groups.append((rows, chunk.block_table[request], lengths, int(bound)))
+    return groups
+
+
+class ReferenceKernels:
+    """The torch oracle behind the kernels' interface (CPU)."""
+
+    insert_keys = staticmethod(reference.insert_keys)
+
+    @staticmethod
+    def index_topk(q, weights, cache, block_tables, lengths, topk, *, max_len):
+        return reference.index_topk(q.float(), weights, cache, block_tables, lengths, topk)
+
+
+def triton_kernels() -> ModuleType:
+    from vllm_mla.ops.sparse_indexer import triton_kernels as kernels
+
+    return kernels
+
+
+def select(
+    layer: object,
+    hidden_states: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    weights: torch.Tensor,
+    meta: object,
+    kernels: object,
+    max_decode_len: int | None = None,
+    budget_bytes: int | None = None,
+) -> torch.Tensor:
+    """Insert this step's index keys, then write every scored token's top-k (request-local
+    positions, -1 padded) into ``layer.topk_indices_buffer``; returns the buffer.
+
+    ``max_decode_len``: the decode logits' width (``max_model_len`` for a static shape
+    under CUDA graphs); None: the step's ``max_seq_len``. ``budget_bytes``: at most this
+    many bytes of logits and top-k temporaries at once (``TOPK_BYTES_PER_SCORE`` per
+    score), so groups are split into row blocks sized on the host (no sync).
+    """
+    cache = layer.k_cache.kv_cache
+    slots = meta.slot_mapping
+    if k is not None:
+        kernels.insert_keys(cache, k[: slots.shape[0]], slots, ue8m0=layer.scale_fmt == "ue8m0")
+    buffer = layer.topk_indices_buffer
+    buffer[: hidden_states.shape[0]] = -1
+    # Gather e4m3 rows as bytes: fp8 indexing is not implemented on every device.
+    q_rows = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
+    for i, (rows, tables, lengths, bound) in enumerate(step_contexts(meta)):
+        width = max_decode_len if (i == 0 and meta.num_decodes and max_decode_len) else bound
+        n = rows.shape[0]
+        block = (
+            n
+            if budget_bytes is None
+            else max(1, budget_bytes // (TOPK_BYTES_PER_SCORE * max(width, 1)))
+        )
+        for start in range(0, n, block):
+            part = rows[start : start + block]
+            buffer[part] = kernels.index_topk(
+                q_rows[part].view(q.dtype),
+                weights[part],
+                cache,
+                tables[start : start + block],
+                lengths[start : start + block],
+                layer.topk_tokens,
+                max_len=width,
+            )
+    return buffer
+
+
+def _forward_context_metadata(layer: object) -> object | None:
+    from vllm.forward_context import get_forward_context
+
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return None  # profile / dummy run: nothing to select
+    return attn_metadata.get(layer.k_cache.prefix)
+
+
+def _delegates(layer: object) -> bool:
+    """DeepSeek-V4 indexers and context parallelism: vLLM's own methods serve them."""
+    return bool(
+        layer.skip_k_cache_insert
+        or layer.use_fp4_cache
+        or layer.candidate_blocks is not None
+        or layer.dcp_world_size > 1
+        or layer.use_pcp
+    )
+
+
+def _logits_budget() -> int:
+    """``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`` in bytes: vLLM's bound on indexer logits."""
+    from vllm import envs as vllm_envs
+
+    return vllm_envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB << 20
+
+
+def _reserve_logits_peak(device: torch.device) -> None:
+    """A transient of the logits budget during the profile run (vLLM's own indexer
+    reserves the same), so the KV cache is sized with it free; ``select`` keeps its
+    logits and top-k temporaries within it."""
+    torch.empty(_logits_budget(), dtype=torch.uint8, device=device)
+
+
+@contextlib.contextmanager
+def _deep_gemm_guard_lifted(module: ModuleType):
+    """vLLM's constructor with its DeepGEMM guard answering True (module docstring)."""
+    original = module.has_deep_gemm
+    module.has_deep_gemm = lambda: True
+    try:
+        yield
+    finally:
+        module.has_deep_gemm = original
+
+
+def make_indexer() -> type:
+    """``PortableSparseAttnIndexer``: vLLM's SparseAttnIndexer with our CPU and CUDA paths."""
+    import importlib
+
+    module = importlib.import_module(BASE_MODULE)
+    base = module.SparseAttnIndexer
+
+    class PortableSparseAttnIndexer(base):
+        """vLLM's DSA indexer op; ours selects where vLLM's cannot (module docstring)."""
+
+        def __init__(self, *args, **kwargs):
+            from vllm.platforms import current_platform
+
+            self_ours = current_platform.is_cuda() and ours_on_cuda()[0]
+            guard = _deep_gemm_guard_lifted(module) if self_ours else contextlib.nullcontext()
+            with guard:
+                super().__init__(*args, **kwargs)
+            self.vllm_mla_ours = self_ours and not _delegates(self)
+
+        def forward_cuda(self, hidden_states, q_quant, k, weights):
+            if not self.vllm_mla_ours:
+                return super().forward_cuda(hidden_states, q_quant, k, weights)
+            meta = _forward_context_metadata(self)
+            if meta is None:  # profile run: the logits peak, as vLLM's indexer reserves it
+                _reserve_logits_peak(hidden_states.device)
+                return self.topk_indices_buffer
+            telemetry.record_sparse("indexer:triton")
+            return select(
+                self,
+                hidden_states,
+                q_quant,
+                k,
+                weights,
+                meta,
+                triton_kernels(),
+                max_decode_len=self.max_model_len,
+                budget_bytes=_logits_budget(),
+            )
+
+        def forward_cpu(self, hidden_states, q_quant, k, weights):
+            if _delegates(self):
+                return super().forward_cpu(hidden_states, q_quant, k, weights)
+            meta = _forward_context_metadata(self)
+            if meta is None:
+                return self.topk_indices_buffer
+            telemetry.record_sparse("indexer:cpu")
+            return select(self, hidden_states, q_quant, k, weights, meta, ReferenceKernels)
+
+    PortableSparseAttnIndexer.__qualname__ = "PortableSparseAttnIndexer"
+    return PortableSparseAttnIndexer
+
+
+def register(platform: str) -> str:
+    """Install the portable indexer (once per process); what happened, for the log.
+
+    ``platform``: ``"cpu"`` (feature ``sparse-cpu``) or ``"cuda"`` (feature
+    ``sparse-indexer``, only when ``VLLM_MLA_INDEXER`` resolves to ours).
+    """
+    global _registered
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    if platform == "cuda":
+        ours, why = ours_on_cuda()
+        if not ours:
+            return f"vLLM's DSA indexer kept ({why})"
+    import importlib
+
+    base = importlib.import_module(BASE_MODULE).SparseAttnIndexer
+    if base.__name__ in op_registry_oot:
+        owner = op_registry_oot[base.__name__]
+        if getattr(owner, "__qualname__", "") != "PortableSparseAttnIndexer":
+            return f"DSA indexer left to {owner.__module__}.{owner.__qualname__}"
+        return "portable DSA indexer (already)"
+    base.register_oot(make_indexer())
+    _registered = f"registered the portable DSA indexer (SparseAttnIndexer.register_oot, {platform}"
+    if platform == "cuda":
+        _registered += f": {ours_on_cuda()[1]}"
+    _registered += ")"
+    return _registered
+
+
+__all__ = [
+    "ReferenceKernels",
+    "make_indexer",
+    "ours_on_cuda",
+    "register",
+    "select",
+    "step_contexts",
+]
