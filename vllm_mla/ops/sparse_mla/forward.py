@@ -223,6 +223,9 @@ def _sparse_mla_op(
     kv_format: str,
     impl: str,
 ) -> None:
+    # Validated again on purpose: under torch.compile the wrapper's checks run at trace
+    # time only, and this op is what runs at every call (the decode step uses neither:
+    # it goes through preparation.BoundCall).
     args = validate(
         (q_nope, q_pe),
         kv_cache,
