@@ -16,6 +16,10 @@
 #          benchmarks/sparse_indexer.py: selections vs the oracle at DeepSeek-V3.2 / GLM-5
 #          shapes to 128k, graph replay with changing inputs, decode time vs vLLM's DeepGEMM
 #          indexer where it runs, % of the copy roofline.
+#   soak   (step timeouts 240 + 240 + 90 s): `vllm-mla soak --device cuda`, 1,000 reload
+#          cycles each of block FP8 (DeepGEMM form) and MXFP8 (FlashInfer form) with a CUDA
+#          graph reading the pair replayed after every cycle (addresses, values, ledger,
+#          allocated bytes), then 300 cycles of direct mode.
 # The machine step runs for every part.
 #   run through the device tool:  bash benchmarks/gpu_check.sh [query|sparse|all]  (default
 #                                 all; writes under $OUT)
@@ -29,8 +33,8 @@ PY="${PYTHON:-python3}"
 step() { echo; echo "== $* ($(date +%T))"; }
 PART="${1:-all}"
 case "$PART" in
-  query|sparse|decode|indexer|all) ;;
-  *) echo "usage: $0 [query|sparse|decode|indexer|all]   (got '$PART')" >&2; exit 2 ;;
+  query|sparse|decode|indexer|soak|all) ;;
+  *) echo "usage: $0 [query|sparse|decode|indexer|soak|all]   (got '$PART')" >&2; exit 2 ;;
 esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
@@ -119,4 +123,16 @@ step "DSA indexer: selections at DeepSeek-V3.2 / GLM-5 shapes, graph replay, spe
 timeout 300 "$PY" benchmarks/sparse_indexer.py --out "$OUT/sparse_indexer.json" 2>&1 \
   | tee "$OUT/sparse_indexer.txt"
 echo "sparse_indexer exit ${PIPESTATUS[0]}"
+fi
+
+if want soak; then
+step "soak: reload cycles on the GPU, a CUDA graph replayed after each (vllm_mla.soak)"
+for w in fp8-block-deepgemm mxfp8-flashinfer; do
+  timeout 240 "$PY" -m vllm_mla.cli soak --device cuda --weights "$w" --json \
+    > "$OUT/soak_$w.json"
+  echo "soak $w exit $?"; tail -16 "$OUT/soak_$w.json"
+done
+timeout 90 "$PY" -m vllm_mla.cli soak --device cuda --weights mxfp8-flashinfer \
+  --absorbed direct --no-release --cycles 300 --json > "$OUT/soak_direct.json"
+echo "soak direct exit $?"; tail -16 "$OUT/soak_direct.json"
 fi

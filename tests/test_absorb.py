@@ -14,6 +14,7 @@ from vllm_mla.memory import AllocationTrace
 from vllm_mla.weights import (
     LifecycleConfig,
     LifecycleError,
+    PostLoadError,
     ReleaseRefusedError,
     baseline_post_load,
     faults,
@@ -242,10 +243,16 @@ def test_failed_first_load_leaves_the_layer_untouched(geo, monkeypatch):
     config = LifecycleConfig(
         release_source=True, dense_mha_prefill=False, max_scratch_bytes=head_scratch(layer)
     )
-    fail_on_call(monkeypatch, 2)
-    with pytest.raises(Boom) as info:
+    fail_calls = fail_on_call(monkeypatch, 2)
+    with pytest.raises(PostLoadError) as info:
         post_load(layer, torch.bfloat16, config)
-    assert "nothing released" in "".join(info.value.__notes__)
+    assert isinstance(info.value.__cause__, Boom)
+    assert info.value.step == "dequant " + fail_calls[1]
+    assert str(info.value).startswith(
+        f"vllm-mla: absorbed-pair materialization failed at dequant {fail_calls[1]} "
+        "(Boom: injected); every tensor of the layer is as it was (kv_b_proj's source intact, "
+        "nothing released); post-load can be retried"
+    )
     assert not hasattr(layer, "W_UK_T") and not hasattr(layer, "W_UV")
     for name, param in layer.kv_b_proj.named_parameters():
         assert torch.equal(param.view(torch.uint8), before[name].view(torch.uint8))
@@ -265,8 +272,9 @@ def test_failed_reload_keeps_new_source_and_retries_in_place(geo, monkeypatch):
     addresses = ptrs(layer)
     new_weights(layer, geo, "mxfp8", seed=7)
     fail_on_call(monkeypatch, 2)
-    with pytest.raises(Boom):
+    with pytest.raises(PostLoadError) as info:
         post_load(layer, torch.bfloat16, config)
+    assert isinstance(info.value.__cause__, Boom)
     assert layer.kv_b_proj.weight.numel() > 0, "source released after a failure"
     monkeypatch.undo()
     assert post_load(layer, torch.bfloat16, config).action == "reloaded"

@@ -166,6 +166,9 @@ def _bad_cases():
         ("scales shape", (a, MXFP8Weight(mx.values, mx.scales[..., :1]), None), "fits neither"),
         ("out shape", (a, mx, out[:, :2]), "out must be"),
         ("out dtype", (a, mx, out.float()), "out must be"),
+        ("scales a list", (a, MXFP8Weight(mx.values, mx.scales.tolist()), None), "weight.scales"),
+        ("out a list", (a, mx, out.tolist()), "out must be"),
+        ("out expanded", (a, mx, out[:, :1].expand(2, 3, 64)), "out has elements that share"),
     ]
 
 
@@ -174,6 +177,28 @@ def test_errors_name_the_operand(case):
     _, args, message = case
     with pytest.raises(AbsorbedBmmError, match=message):
         absorbed_bmm(*args)
+
+
+@pytest.mark.parametrize("into", ["a", "weight"])
+def test_out_overlapping_an_input_is_refused(into):
+    # CPU torch.bmm(out=a) reads what it already wrote: a wrong answer, not a refusal
+    a = torch.randn(2, 3, 64).bfloat16()
+    w = torch.randn(2, 64, 64).bfloat16()
+    out = a if into == "a" else w[:, :3]
+    with pytest.raises(AbsorbedBmmError, match=f"out overlaps {into}"):
+        absorbed_bmm(a, w, out)
+
+
+@pytest.mark.parametrize("path_env", ["1", "0"])
+@pytest.mark.parametrize("along_k", [True, False])
+def test_an_empty_mxfp8_n_gives_an_empty_result(monkeypatch, path_env, along_k):
+    monkeypatch.setenv("TRITON_INTERPRET", path_env)  # the Triton launch, then torch
+    t = mxfp8.quantize(torch.zeros(2, 64, 0), axis=1 if along_k else 2)
+    a = torch.randn(2, 3, 64).bfloat16()
+    got = absorbed_bmm(a, MXFP8Weight(t.values, t.scales))
+    assert got.shape == (2, 3, 0) and got.dtype == torch.bfloat16
+    out = torch.empty(2, 3, 0, dtype=torch.bfloat16)
+    assert absorbed_bmm(a, MXFP8Weight(t.values, t.scales), out) is out
 
 
 def test_device_mismatch_is_named():

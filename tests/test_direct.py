@@ -13,7 +13,7 @@ from vllm_mla.memory import AllocationTrace, Ledger
 from vllm_mla.ops import absorbed_matmul as ab
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.qualify import load_into
-from vllm_mla.weights import LifecycleConfig, baseline_post_load, faults, post_load
+from vllm_mla.weights import LifecycleConfig, PostLoadError, baseline_post_load, faults, post_load
 from vllm_mla.weights.direct import DirectModeError
 from vllm_mla.weights.layer import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights.sources import module_tensors
@@ -138,10 +138,12 @@ def test_a_fault_leaves_the_layer_as_it_was(geo, site):
         if kind == site:
             raise Boom(f"{kind} {name}")
 
-    with faults.inject(fail), pytest.raises(Boom) as info:
+    with faults.inject(fail), pytest.raises(PostLoadError) as info:
         post_load(layer, torch.bfloat16, DIRECT_RELEASE, refresh=True)
-    assert site in seen
-    assert any("layer is as it was" in note for note in info.value.__notes__)
+    assert site in seen and isinstance(info.value.__cause__, Boom)
+    assert info.value.step.startswith(site)
+    assert "direct-mode binding failed at " in str(info.value)
+    assert "layer is as it was (pack intact, nothing released)" in str(info.value)
     for k, (ptr, value) in state.items():
         now = module_tensors(layer.kv_b_proj)[k]
         assert now.data_ptr() == ptr and torch.equal(now.view(torch.uint8), value.view(torch.uint8))

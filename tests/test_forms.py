@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vllm_mla.quant import fp8_block
-from vllm_mla.weights import LifecycleConfig, faults, forms, post_load
+from vllm_mla.weights import LifecycleConfig, PostLoadError, faults, forms, post_load
 from vllm_mla.weights.forms import FORM_NAMES, FORMS
 from vllm_mla.weights.layer import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights.sources import module_tensors
@@ -171,10 +171,54 @@ def test_a_fault_at_every_site_changes_nothing(geo, name, config):
             if count[0] == i + 1:
                 raise Injected(f"{kind} {site}")
 
-        with faults.inject(fail), pytest.raises(Injected):
+        with faults.inject(fail), pytest.raises(PostLoadError) as info:
             post_load(layer, torch.bfloat16, config)
+        assert isinstance(info.value.__cause__, Injected)
+        assert info.value.step == " ".join(sites[i]), "the error names the step that failed"
         assert unchanged(layer, before), f"{name}: fault at {sites[i]}"
         assert post_load(layer, torch.bfloat16, config).action in ("materialized", "aliased")
+
+
+def test_the_seam_remembers_the_last_step_reached_since_begin():
+    faults.begin()
+    assert faults.last_step() is None
+    faults.site("alloc", "W_UV")
+    faults.site("dequant", "rows 0:2")
+    assert faults.last_step() == "dequant rows 0:2"
+    faults.begin()
+    assert faults.last_step() is None
+
+
+def test_a_real_error_names_its_step(geo, monkeypatch):
+    """Not only injected faults: an allocator failure inside post-load is a PostLoadError
+    naming the allocation it hit, with the original as its cause."""
+    layer = layer_of(geo, "fp8-block")
+    real_empty = torch.empty
+    calls = [0]
+
+    def empty(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(PostLoadError) as info:
+        post_load(layer, torch.bfloat16, RELEASE)
+    monkeypatch.undo()
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert info.value.step == "alloc W_UV"
+    assert "failed at alloc W_UV (OutOfMemoryError: CUDA out of memory." in str(info.value)
+    assert post_load(layer, torch.bfloat16, RELEASE).action == "materialized"
+
+
+def test_post_load_errors_survive_pickling():
+    """vLLM sends a worker's exception to the engine process pickled."""
+    import pickle
+
+    error = PostLoadError("what", "kept", "alloc W_UV", "Boom: x", "model.layers.0.attn")
+    again = pickle.loads(pickle.dumps(error))
+    assert str(again) == str(error) and again.layer == "model.layers.0.attn"
 
 
 def test_the_seam_costs_nothing_when_unused_and_refuses_nesting():

@@ -10,9 +10,8 @@ return the op's reference within the tolerance the op's own tests use; an untype
 Budgets (Hypothesis settings profiles, no deadline, no example database):
 
 - ``ci`` (default): 20 examples per property, ``derandomize=True`` (the same examples on
-  every run, so CI is deterministic); the known-gap properties skip shrinking (each fails
-  on its first example). The whole file takes about 35 s on a 2-core CPU machine with
-  the Triton kernels interpreted.
+  every run, so CI is deterministic). The whole file takes about 45 s on a 2-core CPU
+  machine with the Triton kernels interpreted.
 - ``full`` (``VLLM_MLA_FUZZ=full``): 500 examples per property (fewer where the input
   space is smaller), random, with shrinking and ``print_blob`` (replay a failure with
   ``@reproduce_failure``); about 8 minutes on the same machine.
@@ -20,9 +19,15 @@ Budgets (Hypothesis settings profiles, no deadline, no example database):
 No health check is suppressed: generation is cheap (tensor contents come from seeded
 torch generators); only the interpreted kernels are slow, and the deadline is off.
 
-Known gaps (real bugs, not fixed here) are ``xfail(strict=True)`` parameters of the
-``*_known_gap`` properties: each names the op, the input and what happens today, and
-turns into a failure (XPASS) once the op is fixed, so the mark gets removed.
+Bugs this file found were fixed in the ops; the properties at the end of the file (after
+"found by this file") are their tests, each with a comment saying what happened before the
+fix: ``out`` with internal overlap (a stride-0 dim) in every op with an ``out``; ``out``
+aliasing an input in absorbed_bmm and mla_query_projection; MXFP8 scales not a tensor or
+on another device; an MXFP8 absorbed_bmm with N = 0; codec containers with parts on two
+devices; unchecked inputs of the reference indexer; impl="triton" reading strided
+lengths. No known gap is open. A new one is recorded as an ``xfail(strict=True)``
+parameter naming the op, the input and what happens today, so that the fix turns it into
+an XPASS failure and the mark is removed with it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_quant_fp8_block import block_fp8_reference  # the codec tests' numpy oracles
 from test_quant_mxfp8 import mxfp8_reference
@@ -69,8 +74,6 @@ settings.register_profile("ci", max_examples=20, derandomize=True, **_COMMON)
 settings.register_profile("full", max_examples=500, print_blob=True, **_COMMON)
 PROFILE = "full" if os.environ.get("VLLM_MLA_FUZZ") == "full" else "ci"
 FUZZ = settings.get_profile(PROFILE)
-# A known gap fails on its first example; shrinking it (interpreted kernels) only costs CI time.
-GAP = FUZZ if PROFILE == "full" else settings(FUZZ, phases=[Phase.explicit, Phase.generate])
 
 # --- devices ----------------------------------------------------------------------------------
 
@@ -581,9 +584,8 @@ def absorbed_calls(draw, *, with_out=None):
     if mx:
         along_k = draw(st.booleans())  # W_UV-like [B, K/32, N] or W_UK_T-like [B, K, N/32]
         blocks = st.sampled_from((0, 32, 64))
-        # N = 0 with MXFP8 is a known gap (test_absorbed_bmm_known_gap)
         k = draw(blocks) if along_k else draw(st.integers(0, 40))
-        n = draw(st.integers(1, 40)) if along_k else draw(st.sampled_from((32, 64)))
+        n = draw(st.integers(0, 40)) if along_k else draw(blocks)
         w = randn(seed, (b, k, n), scale=scale)
         weight, parts, dense = _mx_weight(draw, w, 1 if along_k else 2, device)
         dense = dense.to(device)
@@ -621,7 +623,7 @@ def v_projection_calls(draw):
     dtype = draw(st.sampled_from(ab.MXFP8_ACT_DTYPES if mx else ab.ACT_DTYPES))
     t, h = draw(st.integers(0, 4)), draw(st.integers(0, 3))
     lat = draw(st.sampled_from((0, 32, 64)) if mx else st.integers(0, 40))
-    v = draw(st.integers(1 if mx else 0, 40))
+    v = draw(st.integers(0, 40))
     seed = draw(seeds)
     if mx:  # W_UV [H, L, V] with scales [H, L/32, V]
         weight, parts, dense = _mx_weight(draw, randn(seed, (h, lat, v), scale=0.05), 1, device)
@@ -1527,12 +1529,7 @@ def test_indexer_refuses_bad_input_by_name(kind, device, t):
 
 
 # =============================================================================================
-# known gaps: real bugs the properties above found, kept visible (xfail strict: fixing one
-# turns its parameter into an XPASS failure, so the mark is removed with the fix)
-
-
-def _gap(kind: str, reason: str, condition: bool = True):
-    return pytest.param(kind, marks=pytest.mark.xfail(condition, strict=True, reason=reason))
+# found by this file: real bugs, fixed in the ops; each property below is the test of its fix
 
 
 def refused_or_correct(call, errors, named: str, check) -> None:
@@ -1552,38 +1549,17 @@ def _expanded(shape, dim: int, dtype, device) -> torch.Tensor:
     return torch.empty(one, dtype=dtype, device=device).expand(shape)
 
 
-OUT_OVERLAP = "an out whose elements alias each other (a stride-0, expanded dim) is not refused: "
-
-
+# Before the fix: safe_mla_query_bmm raised torch's bare RuntimeError ("more than one element
+# of the written-to tensor refers to a single memory location"); absorbed_bmm (CPU
+# torch.bmm(out=), the MXFP8 Triton path), the fused projection and impl="triton" wrote
+# it silently (last writer wins); the staged projection and impl="reference" raised a bare
+# RuntimeError from out.copy_.
 @pytest.mark.parametrize(
-    "op",
-    [
-        _gap(
-            "safe_mla_query_bmm",
-            OUT_OVERLAP + "bare RuntimeError from torch ('more than one "
-            "element of the written-to tensor refers to a single memory location')",
-        ),
-        _gap(
-            "absorbed_bmm",
-            OUT_OVERLAP + "the dense CPU path (torch.bmm(out=)) and the MXFP8 "
-            "Triton path write it silently (last writer wins); torch raises a bare "
-            "RuntimeError for some expansions (e.g. of the batch dim)",
-        ),
-        _gap(
-            "mla_query_projection",
-            OUT_OVERLAP + "the fused kernel writes it silently (last "
-            "writer wins), the staged path raises a bare RuntimeError from out.copy_",
-        ),
-        _gap(
-            "sparse_mla_forward",
-            OUT_OVERLAP + "impl='reference' raises a bare RuntimeError "
-            "from out.copy_, impl='triton' writes it silently",
-        ),
-    ],
+    "op", ["safe_mla_query_bmm", "absorbed_bmm", "mla_query_projection", "sparse_mla_forward"]
 )
 @given(data=st.data())
-@GAP
-def test_out_with_internal_overlap_known_gap(op, data):
+@FUZZ
+def test_out_with_internal_overlap_is_refused(op, data):
     """An ``out`` whose elements alias each other is refused with the op's typed error
     naming ``out`` (no op can write a correct answer into it)."""
     if op == "safe_mla_query_bmm":
@@ -1627,33 +1603,20 @@ def test_out_with_internal_overlap_known_gap(op, data):
     assert_refused(call, errors, "out")
 
 
-ABSORBED_GAPS = [
-    _gap(
-        "out aliases a",
-        "absorbed_bmm(a, W, out=a) (dense bf16, K == N): the contract says out must not "
-        "overlap an input but validate() does not check it; CPU torch.bmm(out=) then reads "
-        "what it already wrote: a silent wrong answer (errors of O(100))",
-    ),
-    _gap(
-        "mxfp8 N = 0",
-        "MXFP8 weight with N = 0 under TRITON_INTERPRET=1: ZeroDivisionError in "
-        "launch.absorbed_bmm (_bmm_tiles gives block_n = next_power_of_2(0) = 0, then "
-        "triton.cdiv(0, 0))",
-        condition=TRITON_DEVICES == ("cpu",),
-    ),
-    _gap(
-        "scales not a tensor",
-        "MXFP8Weight(values, scales=<a list>): bare AttributeError ('list' object has no "
-        "attribute 'dtype') from validate() instead of AbsorbedBmmError",
-    ),
-]
+# Before the fix: out = a (dense bf16, K == N) was not refused and CPU torch.bmm(out=) read
+# what it had already written (errors of O(100)); an MXFP8 weight with N = 0 raised
+# ZeroDivisionError under TRITON_INTERPRET=1 (launch._bmm_tiles: block_n =
+# next_power_of_2(0) = 0, then triton.cdiv(0, 0)); a list as scales raised a bare
+# AttributeError ('list' object has no attribute 'dtype') from validate().
+ABSORBED_EDGES = ["out aliases a", "mxfp8 N = 0", "scales not a tensor"]
 
 
-@pytest.mark.parametrize("kind", ABSORBED_GAPS)
+@pytest.mark.parametrize("kind", ABSORBED_EDGES)
 @given(data=st.data())
-@GAP
-def test_absorbed_bmm_known_gap(kind, data):
-    """absorbed_bmm's typed-error-or-correct contract on inputs validate() does not cover."""
+@FUZZ
+def test_absorbed_bmm_edge_inputs(kind, data):
+    """absorbed_bmm's typed-error-or-correct contract: out aliasing a (refused by name),
+    an empty MXFP8 N (an empty result), scales not a tensor (refused by name)."""
     device = data.draw(devices)
     b, m, k = (
         data.draw(st.integers(1, 3)),
@@ -1684,30 +1647,19 @@ def test_absorbed_bmm_known_gap(kind, data):
         assert_refused(lambda: absorbed_bmm(a, weight), AbsorbedBmmError, "weight.scales")
 
 
-PROJECTION_GAPS = [
-    _gap(
-        "weight.scales device",
-        "mla_query_projection checks the device of weight.values but not of weight.scales: "
-        "the fused kernel reads a foreign pointer (here a meta tensor: silent garbage of "
-        "~1e18; a CPU scale tensor beside CUDA values would fault or raise Triton's error), "
-        "the staged path mixes devices",
-    ),
-    _gap(
-        "out aliases q",
-        "mla_query_projection(q_nope=q[..., :P], q_pe=q[..., P:P+R], out=q) is not refused "
-        "(no overlap check, unlike safe_mla_query_bmm): the fused kernel writes the latent "
-        "part over q_pe before it copies q_pe, so out[..., L:] is silently wrong (errors "
-        "O(1)); the staged path happens to be right",
-        condition=bool(TRITON_DEVICES),
-    ),
-]
+# Before the fix: weight.scales' device was never checked (the fused kernel read a foreign
+# pointer: a meta tensor gave silent garbage of ~1e18; the staged path mixed devices); and
+# out = q (q_nope / q_pe views into it) was not refused: the fused kernel wrote the latent
+# part over q_pe before copying q_pe, so out[..., L:] was silently wrong (errors O(1)).
+PROJECTION_EDGES = ["weight.scales device", "out aliases q"]
 
 
-@pytest.mark.parametrize("kind", PROJECTION_GAPS)
+@pytest.mark.parametrize("kind", PROJECTION_EDGES)
 @given(data=st.data())
-@GAP
-def test_query_projection_known_gap(kind, data):
-    """mla_query_projection's typed-error-or-correct contract on inputs _validate() misses."""
+@FUZZ
+def test_query_projection_refuses_foreign_scales_and_aliased_out(kind, data):
+    """mla_query_projection: scales on another device, and ``out`` aliasing q (the in-place
+    projection), are refused by name (or, for the alias, correct)."""
     fused = bool(TRITON_DEVICES)
     if kind == "weight.scales device":
         c = data.draw(projection_calls(fused=fused, fmt="mxfp8"))
@@ -1748,26 +1700,13 @@ def test_sparse_mla_triton_reads_strided_lengths_in_place(data):
     run_sparse(c, "triton")
 
 
-CODEC_GAPS = [
-    _gap(
-        "MXFP8Tensor",
-        "MXFP8Tensor accepts values and scales on different devices; dequantize then mixes "
-        "them (here a meta scales tensor: the unscaled e4m3 values come back silently; CUDA "
-        "vs CPU: a bare RuntimeError)",
-    ),
-    _gap(
-        "FP8BlockTensor",
-        "FP8BlockTensor accepts values and scale_inv on different devices; dequantize then "
-        "mixes them (meta: the unscaled values come back silently; CUDA vs CPU: a bare "
-        "RuntimeError)",
-    ),
-]
-
-
-@pytest.mark.parametrize("kind", CODEC_GAPS)
+# Before the fix both containers accepted parts on different devices; dequantize then
+# mixed them (a meta scale tensor: the unscaled e4m3 values came back silently; CUDA vs
+# CPU: a bare RuntimeError).
+@pytest.mark.parametrize("kind", ["MXFP8Tensor", "FP8BlockTensor"])
 @given(device=devices, rows=st.integers(1, 9))
-@GAP
-def test_codec_containers_known_gap(kind, device, rows):
+@FUZZ
+def test_codec_containers_refuse_parts_on_two_devices(kind, device, rows):
     """A codec container whose parts live on different devices is refused by name
     (at construction or in dequantize)."""
     other = other_device(device)
@@ -1788,53 +1727,30 @@ def test_codec_containers_known_gap(kind, device, rows):
     assert_refused(call, (TypeError, ValueError), named)
 
 
-def _indexer_gap(kind, reason):
-    return _gap(kind, "reference indexer: " + reason)
-
-
-INDEXER_GAPS = [
-    _indexer_gap(
-        "slot past the cache",
-        "insert_keys with a slot >= num_blocks * block_size: "
-        "bare IndexError ('index 2 is out of bounds for dimension 0 with size 2')",
-    ),
-    _indexer_gap("slots 2-D", "insert_keys with slots [T, 1]: bare IndexError (mask shape)"),
-    _indexer_gap("cache not a tensor", "insert_keys(cache=<list>): bare AttributeError"),
-    _indexer_gap(
-        "cache offset",
-        "insert_keys on a uint8 cache view whose storage offset is not "
-        "a multiple of 4: bare RuntimeError from .view(torch.float32) in _pages",
-    ),
-    _indexer_gap(
-        "k device",
-        "insert_keys with k on another device than the cache: no check "
-        "(meta: nothing is written, silently; CUDA vs CPU: a bare RuntimeError)",
-    ),
-    _indexer_gap(
-        "block_tables rows",
-        "index_topk with block_tables of fewer rows than T: bare "
-        "IndexError (block_tables is never checked)",
-    ),
-    _indexer_gap(
-        "page past the cache",
-        "index_topk with a block-table page >= num_blocks: bare IndexError from read_keys",
-    ),
-    _indexer_gap(
-        "length past the table",
-        "index_topk with lengths[t] > W * block_size: bare IndexError from request_rows",
-    ),
-    _indexer_gap("negative topk", "index_topk(topk=-1): bare RuntimeError from torch.full"),
-    _indexer_gap(
-        "cache rank",
-        "index_topk with a 1-D cache: bare IndexError (cache.shape[1]) before any check",
-    ),
+# Before the fix each of these crashed untyped inside the reference indexer: a slot past
+# the pool, slots [T, 1], a 1-D cache or block_tables with fewer rows than T, a page or a
+# length past the table (bare IndexError); a cache that is a list (AttributeError); a uint8
+# cache view at a storage offset that is not a multiple of 4 (RuntimeError from the
+# float32 view of the scales); topk = -1 (RuntimeError from torch.full); k on another device
+# (meta: nothing written, silently).
+INDEXER_EDGES = [
+    "slot past the cache",
+    "slots 2-D",
+    "cache not a tensor",
+    "cache offset",
+    "k device",
+    "block_tables rows",
+    "page past the cache",
+    "length past the table",
+    "negative topk",
+    "cache rank",
 ]
 
 
-@pytest.mark.parametrize("kind", INDEXER_GAPS)
+@pytest.mark.parametrize("kind", INDEXER_EDGES)
 @given(t=st.integers(1, 3), nb=st.integers(1, 3), bs=st.integers(1, 4))
-@GAP
-def test_indexer_known_gap(kind, t, nb, bs):
+@FUZZ
+def test_indexer_reference_refuses_bad_input_by_name(kind, t, nb, bs):
     """Wrong inputs to insert_keys / index_topk raise IndexerError naming the argument
     (CPU only: on CUDA an out-of-range index is a device-side assert)."""
     rows = nb * bs

@@ -245,3 +245,5 @@ def test_tensor_validation() -> None:
         FP8BlockTensor(values, torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"2-D.*\(300,\)"):
         FP8BlockTensor(values[:, 0], torch.ones(3))
+    with pytest.raises(ValueError, match=r"scale_inv: expected device cpu.*got meta"):
+        FP8BlockTensor(values, scale_inv.to("meta"))  # dequantize would mix the devices

@@ -348,3 +348,5 @@ def test_tensor_validation() -> None:
         MXFP8Tensor(values, torch.zeros(4, 3, dtype=torch.uint8), 1)
     with pytest.raises(ValueError, match="axis"):
         MXFP8Tensor(values, scales, -1)
+    with pytest.raises(ValueError, match=r"scales: expected device cpu.*got meta"):
+        MXFP8Tensor(values, scales.to("meta"), 1)  # dequantize would mix the devices

@@ -155,6 +155,13 @@ def test_out_overlapping_weight_is_refused():
         safe_mla_query_bmm(query, weight, out)
 
 
+def test_out_with_a_stride_0_dim_is_refused():
+    query, weight, _ = operands()
+    out = torch.empty(2, 1, 24, dtype=BF16).expand(2, 3, 24)  # torch.bmm raises untyped here
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        safe_mla_query_bmm(query, weight, out)
+
+
 def test_adjacent_buffers_do_not_count_as_overlap():
     buf = torch.zeros(2 * 3 * 16 + 2 * 3 * 24, dtype=BF16)
     query = buf[: 2 * 3 * 16].view(2, 3, 16)

@@ -277,11 +277,41 @@ def good(m=2, h=2, p=128):
             ValueError,
             "q_pe: expected device",
         ),
+        (
+            {
+                "weight": (
+                    torch.zeros(2, 128, 512, dtype=torch.float8_e4m3fn),
+                    torch.zeros(2, 128, 16, dtype=torch.uint8, device="meta"),
+                )
+            },
+            ValueError,
+            "weight.scales: expected device cpu",
+        ),
+        (
+            {"out": torch.empty(1, 2, 576, dtype=torch.bfloat16).expand(2, 2, 576)},
+            ValueError,
+            "out: expected distinct memory per element",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(change, exc, match):
     args = {**good(), **change}
     with pytest.raises(exc, match=match):
+        mla_query_projection(**args)
+
+
+@pytest.mark.parametrize("part", ["q_nope", "q_pe", "weight"])
+def test_out_overlapping_an_input_is_refused(part):
+    # In place (out = q) the fused kernel overwrites q_pe with the latent part before
+    # copying it: a silent wrong answer, so every overlap is refused.
+    args = good()
+    buf = torch.zeros(2, 2, 640, dtype=torch.bfloat16)
+    if part == "weight":
+        args["out"] = args["weight"].view(-1)[: 2 * 2 * 576].view(2, 2, 576)
+    else:  # out = q[..., :576] with the part a view of the same buffer
+        args[part] = buf[..., : args[part].shape[-1]]
+        args["out"] = buf[..., :576]
+    with pytest.raises(ValueError, match=f"out: expected a buffer separate .* overlapping {part}"):
         mla_query_projection(**args)
 
 

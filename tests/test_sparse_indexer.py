@@ -98,3 +98,64 @@ def test_index_topk_equals_a_direct_computation_across_pages(topk):
         order = sorted(range(len(s)), key=lambda j: (-float(s[j]), j))[:topk]
         want = order + [-1] * (topk - len(order))
         assert got[t].tolist() == want
+
+
+def _insert_args():
+    return torch.zeros(2, 4, ix.RECORD_BYTES, dtype=torch.uint8), torch.zeros(3, 128)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"slots": torch.tensor([0, 8, 1])}, r"slots: expected < num_blocks \* block_size = 8"),
+        ({"slots": torch.tensor([[0], [1], [2]])}, "slots: expected a 1-D integer tensor"),
+        ({"slots": torch.tensor([0.0, 1.0, 2.0])}, "slots: expected a 1-D integer tensor"),
+        ({"cache": [[0]]}, "index-key cache: expected uint8"),
+        ({"k": torch.zeros(3, 128, device="meta")}, "k: expected a float tensor on cpu"),
+        ({"k": torch.zeros(3, 128, dtype=torch.int32)}, "k: expected a float tensor"),
+        (
+            {"cache": torch.zeros(8 * 132 + 1, dtype=torch.uint8)[1:].view(2, 4, 132)},
+            "index-key cache: expected a storage offset and page stride that are multiples of 4",
+        ),
+    ],
+)
+def test_insert_keys_refuses_bad_input_by_name(change, match):
+    cache, k = _insert_args()
+    args = {"cache": cache, "k": k, "slots": torch.arange(3), **change}
+    with pytest.raises(IndexerError, match=match):
+        ix.insert_keys(args["cache"], args["k"], args["slots"])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"block_tables": torch.zeros(1, 2, dtype=torch.int32)}, r"block_tables: expected \[T=2"),
+        ({"block_tables": torch.zeros(2, dtype=torch.int32)}, "block_tables: expected a 2-D"),
+        ({"block_tables": torch.full((2, 2), 2, dtype=torch.int32)}, r"pages in \[0, 2\)"),
+        ({"block_tables": torch.full((2, 2), -1, dtype=torch.int32)}, r"pages in \[0, 2\)"),
+        ({"lengths": torch.tensor([1, 9], dtype=torch.int32)}, r"lengths: expected <= .* = 8"),
+        ({"lengths": torch.ones(2)}, "lengths: expected a 1-D integer tensor"),
+        ({"topk": -1}, "topk: expected an int >= 0"),
+        ({"cache": torch.zeros(2 * 4 * 132, dtype=torch.uint8)}, "index-key cache: expected"),
+    ],
+)
+def test_index_topk_refuses_bad_input_by_name(change, match):
+    with pytest.raises(IndexerError, match=match):
+        ix.index_topk(**{**_topk_args(), **change})
+
+
+def _topk_args():
+    return {
+        "q": torch.randn(2, 3, 128),
+        "weights": torch.rand(2, 3),
+        "cache": torch.zeros(2, 4, ix.RECORD_BYTES, dtype=torch.uint8),
+        "block_tables": torch.tensor([[1, 0], [0, 1]], dtype=torch.int32),
+        "lengths": torch.tensor([3, 8], dtype=torch.int32),
+        "topk": 2,
+    }
+
+
+def test_index_topk_checks_only_the_pages_a_token_reads():
+    # block-table entries past a token's length are padding and may hold anything
+    tables = torch.tensor([[1, 99], [0, 1]], dtype=torch.int32)
+    assert ix.index_topk(**{**_topk_args(), "block_tables": tables}).shape == (2, 2)

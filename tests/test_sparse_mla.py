@@ -382,6 +382,16 @@ def _f8_cache():
         ({"lse": torch.empty(2, 2).bfloat16()}, SparseMLATypeError, "lse: expected dtype"),
         ({"lse": torch.empty(2, 4)[:, ::2]}, SparseMLAError, "lse: last dim must be contiguous"),
         (
+            {"out": torch.empty(1, 2, 512).bfloat16().expand(2, 2, 512)},
+            SparseMLAError,
+            "out: expected distinct memory per element",
+        ),
+        (
+            {"lse": torch.empty(1, 2).expand(2, 2)},
+            SparseMLAError,
+            "lse: expected distinct memory per element",
+        ),
+        (
             {"indices": torch.zeros(2, 8, dtype=torch.int32, device="meta")},
             SparseMLAError,
             "indices: expected device cpu",

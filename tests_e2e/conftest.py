@@ -74,15 +74,20 @@ def sparse_mxfp8_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def run_engine_jobs(jobs: dict[str, tuple[list[str], dict]], out_dir: Path) -> dict[str, dict]:
-    """Run ``engine_job.py ARGS`` per job side by side (each its own process, with extra
-    environment); {name: the job's report, plus its log}."""
+def run_engine_jobs(
+    jobs: dict[str, tuple[list[str], dict]],
+    out_dir: Path,
+    script: str = "engine_job.py",
+    timeout_s: int = ENGINE_TIMEOUT_S,
+) -> dict[str, dict]:
+    """Run ``script ARGS`` (default ``engine_job.py``) per job side by side (each its own
+    process, with extra environment); {name: the job's report, plus its log}."""
     procs = {}
     for name, (args, extra_env) in jobs.items():
         log = open(out_dir / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         cmd = [
             sys.executable,
-            str(HERE / "engine_job.py"),
+            str(HERE / script),
             *args[:2],
             str(out_dir / f"{name}.json"),
             *args[2:],
@@ -94,7 +99,7 @@ def run_engine_jobs(jobs: dict[str, tuple[list[str], dict]], out_dir: Path) -> d
     reports = {}
     for name, (proc, log) in procs.items():
         try:
-            proc.wait(timeout=ENGINE_TIMEOUT_S)
+            proc.wait(timeout=timeout_s)
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -33,6 +33,12 @@ DEFAULT_VARIANTS = {
 }
 
 
+def pytest_terminal_summary(terminalreporter):
+    line = vllm_layers.FAULT_SITES.summary()
+    if line:
+        terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def registered(monkeypatch):
     """The plugin applied with default settings; everything reverted afterwards."""

@@ -20,12 +20,12 @@ import torch
 import vllm_layers
 from safetensors.torch import save_file
 from vllm.model_executor.layers.attention import mla_attention
-from vllm_layers import Variant, build_kv_b_proj, installed, mla_layer, stand_ins
+from vllm_layers import FAULT_SITES, Variant, build_kv_b_proj, installed, mla_layer, stand_ins
 
 from vllm_mla.memory import AllocationTrace, Ledger
 from vllm_mla.qualify import QualifyConfig, run_qualify
 from vllm_mla.vllm import telemetry
-from vllm_mla.weights import FORMS, ReleaseRefusedError, faults, forms
+from vllm_mla.weights import FORMS, PostLoadError, ReleaseRefusedError, faults, forms
 from vllm_mla.weights.sources import holds_weights
 
 STOCK = mla_attention.MLAAttention.process_weights_after_loading
@@ -179,6 +179,15 @@ def _fail_at(index: int):
     return injector
 
 
+def _assert_one_clear_error(info, layer, site: tuple[str, str]) -> None:
+    """The fault surfaces as one PostLoadError naming the layer and the step, caused by it."""
+    error = info.value
+    assert type(error) is PostLoadError and isinstance(error.__cause__, Injected)
+    assert error.step == " ".join(site) and error.layer == layer.layer_name
+    assert str(error).startswith(f"vllm-mla: absorbed-pair materialization of {layer.layer_name}")
+    assert f"failed at {error.step} (Injected: {error.step})" in str(error)
+
+
 @pytest.mark.parametrize("backend", [None, SPARSE])
 def test_a_fault_at_every_step_leaves_the_layer_as_it_was(registered, variant, built, backend):
     kwargs = {"backend": backend, "dense_prefill": backend is None}
@@ -190,13 +199,15 @@ def test_a_fault_at_every_step_leaves_the_layer_as_it_was(registered, variant, b
     for i in range(len(sites)):
         layer = built(**kwargs)
         before = vllm_layers.snapshot(layer)
-        with faults.inject(_fail_at(i)), pytest.raises(Injected), torch.no_grad():
+        with faults.inject(_fail_at(i)), pytest.raises(PostLoadError) as info, torch.no_grad():
             layer.process_weights_after_loading(torch.bfloat16)
+        _assert_one_clear_error(info, layer, sites[i])
         assert vllm_layers.same_as(layer, before) == [], f"fault at {sites[i]}"
         with torch.no_grad():
             layer.process_weights_after_loading(torch.bfloat16)  # the retry succeeds
         for ours, theirs in zip(pair(layer), pair(upstream(built)), strict=True):
             assert torch.equal(ours, theirs), f"retry after a fault at {sites[i]}"
+        FAULT_SITES.record(variant.id, "post-load" if backend is None else "post-load, release")
 
 
 def _reloading(build):
@@ -217,24 +228,81 @@ def _reloading(build):
     return layer
 
 
+def _retry_succeeds_in_place(layer, addresses: list[int], want, site) -> None:
+    with torch.no_grad():
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert [t.data_ptr() for t in pair(layer)] == addresses, f"retry after a fault at {site}"
+    for ours, theirs in zip(pair(layer), want, strict=True):
+        assert torch.equal(ours, theirs), f"retry after a fault at {site}"
+
+
 def test_a_fault_during_reload_keeps_the_live_pair(registered, variant, built):
-    """A reload that fails part-way leaves the old pair (addresses and values) serving."""
+    """A reload that fails part-way leaves the old pair (addresses and values) serving,
+    the new source in place, and the retry succeeds in place. (After a release, vLLM's
+    reload itself is faulted: ``test_a_fault_in_vllms_reload_of_a_released_layer``.)"""
     probe = _reloading(built)
     sites = _sites(lambda: probe.process_weights_after_loading(torch.bfloat16))
     assert ("copy", "commit W_UK_T") in sites or variant.method == "unquantized"
+    want = pair(upstream(built, seed=5))
     for i in range(len(sites)):
         layer = _reloading(built)
+        addresses = [t.data_ptr() for t in pair(layer)]
         before = vllm_layers.snapshot(layer)
-        with faults.inject(_fail_at(i)), pytest.raises(Injected), torch.no_grad():
+        with faults.inject(_fail_at(i)), pytest.raises(PostLoadError) as info, torch.no_grad():
             layer.process_weights_after_loading(torch.bfloat16)
+        _assert_one_clear_error(info, layer, sites[i])
         assert vllm_layers.same_as(layer, before) == [], f"fault at {sites[i]}"
-    layer = _reloading(built)
-    addresses = [t.data_ptr() for t in pair(layer)]
+        _retry_succeeds_in_place(layer, addresses, want, sites[i])
+        FAULT_SITES.record(variant.id, "reload")
+
+
+def _fault_in_real_reload(variant, index: int | None):
+    """vLLM's layerwise reload of seed 5 into a B12X_MLA_SPARSE layer (source released) with
+    a fault at post-load site ``index`` (None: only list the sites). Returns (layer, sites,
+    snapshot taken as the post-load began, pair addresses before the reload, error)."""
+    model = vllm_layers.build_model(variant, 0, backend=SPARSE, dense_prefill=False)
+    layer = model.attn
     with torch.no_grad():
         layer.process_weights_after_loading(torch.bfloat16)
-    assert [t.data_ptr() for t in pair(layer)] == addresses
-    for ours, theirs in zip(pair(layer), pair(upstream(built, seed=5)), strict=True):
-        assert torch.equal(ours, theirs)
+    addresses = [t.data_ptr() for t in pair(layer)]
+    taken, sites, error = {}, [], None
+    patched = type(layer).process_weights_after_loading
+
+    def post_load_watched(act_dtype):
+        taken["before"] = vllm_layers.snapshot(layer)
+        return patched(layer, act_dtype)
+
+    layer.process_weights_after_loading = post_load_watched  # vLLM's finalize calls it
+
+    def injector(kind, name):
+        sites.append((kind, name))
+        if len(sites) == (index or 0) + 1 and index is not None:
+            raise Injected(f"{kind} {name}")
+
+    try:
+        with faults.inject(injector):
+            vllm_layers.reload_through_vllm(model, variant, seed=5)
+    except PostLoadError as exc:
+        error = exc
+    del layer.process_weights_after_loading
+    return layer, sites, taken.get("before"), addresses, error
+
+
+def test_a_fault_in_vllms_reload_of_a_released_layer(registered, variant, built):
+    """The sparse backend released kv_b_proj; vLLM's own reload brings a new source back
+    and ends with post-load: a fault at each of its steps leaves every tensor as the
+    reload left it, one PostLoadError names it, and post-load then succeeds in place."""
+    _, sites, _, _, error = _fault_in_real_reload(variant, None)
+    assert error is None and sites
+    want = pair(upstream(built, seed=5))
+    for i in range(len(sites)):
+        layer, seen, before, addresses, error = _fault_in_real_reload(variant, i)
+        assert error is not None, f"no error for a fault at {sites[i]}"
+        assert seen[-1] == sites[i] and error.step == " ".join(sites[i])
+        assert isinstance(error.__cause__, Injected) and error.layer == layer.layer_name
+        assert vllm_layers.same_as(layer, before) == [], f"fault at {sites[i]}"
+        _retry_succeeds_in_place(layer, addresses, want, sites[i])
+        FAULT_SITES.record(variant.id, "vLLM reload, released")
 
 
 def test_every_row_of_the_matrix_has_a_real_variant(variant):

@@ -643,3 +643,27 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.numel() == b.numel()
     flat_a, flat_b = (t.detach().reshape(-1).view(torch.uint8) for t in (a, b))
     return torch.equal(flat_a, flat_b)
+
+
+class FaultSites:
+    """Faults injected and recovered from, per lifecycle path (reported after the run)."""
+
+    def __init__(self) -> None:
+        self.per_path: dict[str, int] = {}
+        self.variants: set[str] = set()
+
+    def record(self, variant: str, path: str) -> None:
+        self.per_path[path] = self.per_path.get(path, 0) + 1
+        self.variants.add(variant)
+
+    def summary(self) -> str | None:
+        if not self.per_path:
+            return None
+        paths = ", ".join(f"{path} {n}" for path, n in sorted(self.per_path.items()))
+        return (
+            f"vllm-mla fault injection: {sum(self.per_path.values())} sites faulted and "
+            f"recovered over {len(self.variants)} kv_b_proj variants ({paths})"
+        )
+
+
+FAULT_SITES = FaultSites()

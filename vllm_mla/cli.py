@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vllm_mla.geometry import PRESETS, GeometryError
+from vllm_mla.plot import PlotError, check_plot, write_plot
 from vllm_mla.qualify import (
     QualifyConfig,
     QualifyError,
@@ -24,6 +25,7 @@ from vllm_mla.qualify import (
     plain_progress,
     run_qualify,
 )
+from vllm_mla.soak import SoakConfig, run_soak
 from vllm_mla.tinymodel import EXACT_GRIDS, KV_B_FORMATS, MakeModelError, TinyModelSpec, make_model
 from vllm_mla.weights import LifecycleError, SourceError
 from vllm_mla.weights.checkpoint import CheckpointError
@@ -37,6 +39,7 @@ USAGE_ERRORS = (
     SourceError,
     LifecycleError,
     MakeModelError,
+    PlotError,
 )
 
 
@@ -82,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
     q.add_argument("--max-scratch-mib", type=float, default=8.0, help="dequant scratch bound")
     q.add_argument("--json", action="store_true", help="print the schema-1 JSON report only")
+    q.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw live bytes over post-load, baseline and lean (.png, .svg or .pdf; "
+        "needs the plot extra)",
+    )
     m = sub.add_parser(
         "make-model", help="write a tiny DeepSeek-V2/V3.2-style MLA model (no downloads)"
     )
@@ -109,16 +118,37 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--q-lora-rank", type=int, default=128, help="with --sparse (default 128)")
     m.add_argument("--index-topk", type=int, default=32, help="with --sparse (default 32)")
     m.add_argument("--index-heads", type=int, default=32, help="with --sparse (default 32)")
+    _soak_parser(sub)
     return parser
 
 
-def _bar(console: Console):
+def _soak_parser(sub: argparse._SubParsersAction) -> None:
+    d = SoakConfig()
+    s = sub.add_parser(
+        "soak", help="reload new weights N times: pair addresses, values and ledger each cycle"
+    )
+    s.add_argument("--cycles", type=int, default=d.cycles, help=f"default {d.cycles}")
+    s.add_argument("--preset", default=d.preset, help=f"default {d.preset}")
+    s.add_argument("--tp", type=int, default=d.tp, help=f"default {d.tp}")
+    s.add_argument("--layers", type=int, default=d.layers, help=f"default {d.layers}")
+    s.add_argument("--weights", default=d.weights, metavar="FORM", help=f"default {d.weights}")
+    s.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    s.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"))
+    s.add_argument("--absorbed", default=d.absorbed, choices=("bf16", "direct"))
+    s.add_argument("--no-release", action="store_true", help="keep the source after absorption")
+    s.add_argument("--pool", type=int, default=d.pool, help="weight sets rotated through")
+    s.add_argument("--seed", type=int, default=d.seed)
+    s.add_argument("--no-replay", action="store_true", help="CUDA: no graph replay per cycle")
+    s.add_argument("--json", action="store_true", help="print the report as JSON only")
+
+
+def _bar(console: Console, unit: str = "layers"):
     def progress(label: str, total: int) -> Iterator[int]:
         columns = (
             TextColumn(f"{label:>8}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("layers"),
+            TextColumn(unit),
             TimeElapsedColumn(),
         )
         with Progress(*columns, console=console, transient=True) as bar:
@@ -199,14 +229,20 @@ def _qualify(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_scratch_bytes=int(args.max_scratch_mib * MIB),
     )
+    plot = check_plot(args.plot) if args.plot else None  # fail before the long run
     # A duplicate of fd 2, so the progress bar survives AllocationTrace's capture of fd 2.
     err = Console(file=os.fdopen(os.dup(2), "w", buffering=1), stderr=True)
     progress = plain_progress if args.json or not err.is_terminal else _bar(err)
-    report = run_qualify(cfg, progress)
+    timelines: dict | None = {} if plot else None
+    report = run_qualify(cfg, progress, timelines)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _render(report, Console())
+    if plot:
+        write_plot(plot, report, timelines)
+        # with --json, stdout carries the report alone
+        print(f"wrote {plot}", file=sys.stderr if args.json else sys.stdout)
     return 1 if failed_checks(report) else 0
 
 
@@ -232,6 +268,46 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    cfg = SoakConfig(
+        cycles=args.cycles,
+        preset=args.preset,
+        tp=args.tp,
+        layers=args.layers,
+        weights=args.weights,
+        device=args.device,
+        dtype=args.dtype,
+        release=not args.no_release,
+        absorbed=args.absorbed,
+        pool=args.pool,
+        seed=args.seed,
+        replay=not args.no_replay,
+    )
+    err = Console(stderr=True)
+    progress = None if args.json or not err.is_terminal else _bar(err, "cycles")
+    report = run_soak(cfg, progress)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0 if report.ok else 1
+    console = Console()
+    console.print(
+        f"soak: {report.cycles} reload cycles x {report.layers} layers, {report.weights}, "
+        f"{report.device}, {report.elapsed_s:.1f} s; resident {report.resident_bytes:,} bytes"
+    )
+    for name in ("pointer_moves", "value_mismatches", "ledger_growth_bytes"):
+        console.print(f"  {name} = {getattr(report, name)}")
+    for name in ("allocated_growth_bytes", "replay_mismatches"):
+        value = getattr(report, name)
+        console.print(f"  {name} = {'n/a (CPU)' if value is None else value}")
+    for failure in report.failures:
+        console.print(f"  [red]FAIL[/] {failure}")
+    console.print("[green]ok[/]" if report.ok else "[red]soak failed[/]")
+    return 0 if report.ok else 1
+
+
+COMMANDS = {"make-model": _make_model, "soak": _soak, "qualify": _qualify}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vllm-mla`` console script; returns the exit code."""
     try:
@@ -239,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        return _make_model(args) if args.command == "make-model" else _qualify(args)
+        return COMMANDS[args.command](args)
     except USAGE_ERRORS as exc:
         print(f"vllm-mla: error: {exc}", file=sys.stderr)
         return 2

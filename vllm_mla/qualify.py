@@ -111,11 +111,14 @@ def _sources(
         return f, [form_tensors(t, f.name, act) for t in per_layer]
     f = _form_for(cfg, checkpoint_family(form(cfg.weights or DEFAULT_FORM["mxfp8"])))
     count = geo.model.num_layers if cfg.layers is None else cfg.layers
-    per_layer = [_synthetic(geo, f, cfg.seed, i, act) for i in progress("weights", count)]
+    per_layer = [synthetic_tensors(geo, f, cfg.seed, i, act) for i in progress("weights", count)]
     return f, per_layer
 
 
-def _synthetic(geo: RankGeometry, f: KVBForm, seed: int, layer: int, act) -> FormTensors:
+def synthetic_tensors(
+    geo: RankGeometry, f: KVBForm, seed: int, layer: int, act: torch.dtype
+) -> FormTensors:
+    """Layer ``layer``'s seeded weights as ``f`` holds them (loaded from its checkpoint family)."""
     weight = synthetic_weight(geo, seed=seed, layer=layer)
     return form_tensors(checkpoint_tensors(weight, checkpoint_family(f)), f.name, act)
 
@@ -146,12 +149,19 @@ def _reserved_unallocated(device: torch.device) -> int | None:
 
 
 def _phase(
-    layers: list[MLALayer], run: Callable[[MLALayer], object], device, progress, label
+    layers: list[MLALayer],
+    run: Callable[[MLALayer], object],
+    device,
+    progress,
+    label,
+    timelines: dict | None = None,
 ) -> dict:
     """Post-load every layer under one allocation trace; the owners' bytes after it."""
     with AllocationTrace(device) as trace:
         for i in progress(label, len(layers)):
             run(layers[i])
+    if timelines is not None:
+        timelines[label] = trace.timeline()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     ledger = Ledger()
@@ -171,7 +181,7 @@ def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
-def _pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
+def dense_pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
     """The pair's values as plain tensors (direct mode: decoded from the views)."""
     return tuple(_dense(getattr(layer, n)) for n in PAIR)
 
@@ -180,7 +190,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.dense_values() if isinstance(t, AbsorbedWeight) else t
 
 
-def _pointers(layer: MLALayer) -> list[int]:
+def pair_pointers(layer: MLALayer) -> list[int]:
     """Addresses of what the pair holds (a routed weight: the tensors it wraps)."""
     held = []
     for name in PAIR:
@@ -194,15 +204,15 @@ def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, pro
     stable = correct = True
     for i in progress("reload", len(lean)):
         layer = lean[i]
-        before = _pointers(layer)
-        new = _synthetic(geo, f, cfg.seed + 1, i, act)
+        before = pair_pointers(layer)
+        new = synthetic_tensors(geo, f, cfg.seed + 1, i, act)
         load_into(layer, new, device)
         post_load(layer, act, lifecycle)
-        stable &= before == _pointers(layer)
+        stable &= before == pair_pointers(layer)
         reference = build_layer(geo, new, device)
         baseline_post_load(reference, act)
         correct &= all(
-            torch.equal(a, b) for a, b in zip(_pair(layer), _pair(reference), strict=True)
+            torch.equal(a, b) for a, b in zip(dense_pair(layer), dense_pair(reference), strict=True)
         )
     return {"stable": stable, "correct": correct}
 
@@ -217,8 +227,12 @@ def model_geometry(cfg: QualifyConfig) -> MLAGeometry:
     return from_hf_config(cfg.model) if cfg.model else preset(cfg.preset)
 
 
-def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict:
-    """Run baseline and lean side by side; returns the ``--json`` report (schema 1)."""
+def run_qualify(
+    cfg: QualifyConfig, progress: Progress = plain_progress, timelines: dict | None = None
+) -> dict:
+    """Run baseline and lean side by side; returns the ``--json`` report (schema 1).
+    ``timelines``, when given, receives each phase's ``AllocationTrace.timeline()`` under
+    "baseline" and "lean"; the report is the same either way."""
     started = time.perf_counter()
     geo = model_geometry(cfg).shard(cfg.tp, cfg.rank)
     device = resolve_device(cfg.device)
@@ -249,9 +263,14 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
     _drop_cached_blocks(device)
     base_layers = [build_layer(geo, t, device) for t in per_layer]
     baseline = _phase(
-        base_layers, lambda lay: baseline_post_load(lay, act), device, progress, "baseline"
+        base_layers,
+        lambda lay: baseline_post_load(lay, act),
+        device,
+        progress,
+        "baseline",
+        timelines,
     )
-    reference = [tuple(t.cpu() for t in _pair(layer)) for layer in base_layers]
+    reference = [tuple(t.cpu() for t in dense_pair(layer)) for layer in base_layers]
     del base_layers
     _drop_cached_blocks(device)
     lean_layers = [build_layer(geo, t, device) for t in per_layer]
@@ -262,10 +281,11 @@ def run_qualify(cfg: QualifyConfig, progress: Progress = plain_progress) -> dict
         device,
         progress,
         "lean",
+        timelines,
     )
     parity, bit_identical = 0.0, True
     for layer, ref in zip(lean_layers, reference, strict=True):
-        for ours, theirs in zip(_pair(layer), ref, strict=True):
+        for ours, theirs in zip(dense_pair(layer), ref, strict=True):
             ours = ours.cpu()
             parity = max(parity, _max_abs_err(ours, theirs))
             bit_identical &= torch.equal(ours, theirs)

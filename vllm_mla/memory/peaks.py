@@ -119,16 +119,27 @@ class AllocationTrace:
 
     def transient_peak(self) -> int:
         """Most bytes live at once among allocations that were freed inside the window."""
-        deltas = [0] * len(self._events)
+        return max((transient for _, _, transient in self.timeline()), default=0)
+
+    def timeline(self) -> list[tuple[int, int, int]]:
+        """(t_ns, live, transient) after each event, in order: ``live`` is the net bytes
+        since the window opened as the allocator reported them (a free of a block allocated
+        before the window counts, where the allocator reports its size); ``transient`` is the
+        part of it held by allocations freed inside the window, so its maximum is
+        ``transient_peak()`` and the last ``live`` is ``persistent_bytes()`` less the
+        pre-window blocks freed."""
+        transient_delta = [0] * len(self._events)
         for a, f, size in self._lifetimes():
             if f is not None:
-                deltas[a] += size
-                deltas[f] -= size
-        live = peak = 0
-        for delta in deltas:
+                transient_delta[a] += size
+                transient_delta[f] -= size
+        points = []
+        live = transient = 0
+        for (t_ns, _, delta), t_delta in zip(self._events, transient_delta, strict=True):
             live += delta
-            peak = max(peak, live)
-        return peak
+            transient += t_delta
+            points.append((t_ns, live, transient))
+        return points
 
     def persistent_bytes(self) -> int:
         """Bytes allocated in the window and still alive at its end."""

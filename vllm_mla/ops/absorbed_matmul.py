@@ -3,7 +3,8 @@
 Contract:
 
 - ``a [B, M, K]`` (bf16, fp16 or fp32; any strides), ``W [B, K, N]``, ``out [B, M, N]``
-  in ``a``'s dtype (any strides; it must not overlap an input).
+  in ``a``'s dtype (any strides; it must not overlap an input, nor itself: no stride-0
+  dim).
 - ``W`` is a dense tensor in ``a``'s dtype, or an ``MXFP8Weight``: e4m3 ``values
   [B, K, N]`` (any strides) and uint8 E8M0 ``scales`` with one code per 32 elements
   along K (``[B, K/32, N]``, as W_UV ``[H, L, V]`` reads kv_b_proj's pack) or along N
@@ -30,6 +31,7 @@ import torch
 
 import vllm_mla.ops.query_bmm  # noqa: F401  (registers vllm_mla::safe_mla_query_bmm)
 from vllm_mla import envs
+from vllm_mla.ops import overlap
 from vllm_mla.ops.query_projection import TRITON_AVAILABLE, MXFP8Weight
 from vllm_mla.quant import mxfp8
 
@@ -92,8 +94,9 @@ def validate(a: torch.Tensor, weight: Weight, out: torch.Tensor | None) -> None:
     if mx:
         if values.dtype != torch.float8_e4m3fn:
             _fail(f"weight.values must be torch.float8_e4m3fn, got {values.dtype}")
-        if weight.scales.dtype not in SCALE_DTYPES:
-            _fail(f"weight.scales must be one of {SCALE_DTYPES}, got {weight.scales.dtype}")
+        scales = weight.scales
+        if not isinstance(scales, torch.Tensor) or scales.dtype not in SCALE_DTYPES:
+            _fail(f"weight.scales must be a tensor in {SCALE_DTYPES}, got {_describe(scales)}")
         if a.dtype not in MXFP8_ACT_DTYPES:
             _fail(f"an MXFP8 weight takes a in {MXFP8_ACT_DTYPES}, got {a.dtype}")
         scales_along_k(values, weight.scales)
@@ -108,12 +111,25 @@ def validate(a: torch.Tensor, weight: Weight, out: torch.Tensor | None) -> None:
     tensors = [("weight", values)] + ([("weight.scales", weight.scales)] if mx else [])
     if out is not None:
         want = (batch, m, values.shape[2])
-        if tuple(out.shape) != want or out.dtype != a.dtype:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != a.dtype:
             _fail(f"out must be {want} {a.dtype}, got {_describe(out)}")
         tensors.append(("out", out))
     for name, t in tensors:
         if t.device != a.device:
             _fail(f"{name} is on {t.device} but a is on {a.device}")
+    if out is not None:
+        _check_out_memory(out, [("a", a), *tensors[:-1]])
+
+
+def _check_out_memory(out: torch.Tensor, inputs: list[tuple[str, torch.Tensor]]) -> None:
+    if overlap.self_overlapping(out):
+        _fail(f"out has elements that share memory (a stride-0 dim): got {_describe(out)}")
+    # Under torch.compile the operands are traced values without addresses.
+    if torch.compiler.is_compiling():
+        return
+    name = overlap.overlapping(out, inputs)
+    if name is not None:
+        _fail(f"out overlaps {name} in memory; expected a separate buffer, got {_describe(out)}")
 
 
 def _describe(t: object) -> str:

@@ -19,7 +19,8 @@ import importlib.util
 import logging
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from vllm_mla.ops import overlap
 
 logger = logging.getLogger("vllm_mla")
 
@@ -108,27 +109,14 @@ def _fake(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
 # Public entry point.
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range [start, end) that the view can touch."""
-    if t.numel() == 0:
-        return 0, 0
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    start = t.data_ptr()
-    return start, start + (last + 1) * t.element_size()
-
-
 def _check_no_overlap(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    # Fake / meta tensors (tracing) have no memory to compare.
-    if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in (query, weight, out)):
-        return
-    o0, o1 = _span(out)
-    for name, t in (("query", query), ("weight", weight)):
-        t0, t1 = _span(t)
-        if o0 < t1 and t0 < o1:
-            raise ValueError(
-                f"safe_mla_query_bmm: out overlaps {name} in memory (out bytes [{o0:#x}, "
-                f"{o1:#x}), {name} bytes [{t0:#x}, {t1:#x})); out must be a separate buffer"
-            )
+    name = overlap.overlapping(out, (("query", query), ("weight", weight)))
+    if name is not None:
+        (o0, o1), (t0, t1) = overlap.span(out), overlap.span(query if name == "query" else weight)
+        raise ValueError(
+            f"safe_mla_query_bmm: out overlaps {name} in memory (out bytes [{o0:#x}, "
+            f"{o1:#x}), {name} bytes [{t0:#x}, {t1:#x})); out must be a separate buffer"
+        )
 
 
 def _validate(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -172,6 +160,11 @@ def _validate(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> N
                 f"safe_mla_query_bmm: {name} is on {args[name].device} but query is on "
                 f"{query.device}; all operands must share one device"
             )
+    if overlap.self_overlapping(out):
+        raise ValueError(
+            f"safe_mla_query_bmm: out has elements that share memory (a stride-0 dim), got "
+            f"strides {out.stride()} for shape {tuple(out.shape)}; expected a writable buffer"
+        )
     if not torch.compiler.is_compiling():
         _check_no_overlap(query, weight, out)
 
@@ -182,7 +175,7 @@ def safe_mla_query_bmm(
     """Write ``query @ weight`` (batched over H) into ``out`` and return ``out``.
 
     Raises TypeError (not a tensor, not bf16) or ValueError (rank, shapes, a last dim that is
-    not contiguous, mixed devices, ``out`` overlapping an input), naming the argument.
+    not contiguous, mixed devices, ``out`` overlapping an input or itself), naming the argument.
     """
     _validate(query, weight, out)
     torch.ops.vllm_mla.safe_mla_query_bmm(query, weight, out)

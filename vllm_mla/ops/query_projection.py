@@ -5,7 +5,9 @@ Contract (DESIGN.md "Query path"):
 - ``q_nope [M, H, P]`` bf16 (a strided view of q is fine), ``q_pe [M, H, R]`` bf16,
   ``weight`` a bf16 ``[H, P, L]`` tensor or an MXFP8 pair (values e4m3 ``[H, P, L]``,
   scales uint8 ``[H, P, L/32]``), ``out [M, H, L + R]`` bf16 or float8_e4m3fn; every
-  tensor needs a contiguous last dim, other strides are free.
+  tensor needs a contiguous last dim, other strides are free; ``out`` must not overlap
+  an input nor itself (no stride-0 dim), and every tensor (scales too) is on q_nope's
+  device.
 - ``out[..., :L] = bf16(q_nope @ W)`` with fp32 accumulation, ``out[..., L:] = q_pe``;
   for FP8 ``out`` each element is ``e4m3(clamp(bf16_value / q_scale, -448, 448))``.
 - The fused Triton kernel matches ``staged_query_projection`` (bmm -> cat -> quant)
@@ -25,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_mla import envs
+from vllm_mla.ops import overlap
 from vllm_mla.quant import mxfp8
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -133,16 +136,38 @@ def _validate(q_nope, weight, q_pe, out, q_scale) -> _Args:
         _need(
             q_scale.numel() == 1, ValueError, f"q_scale: expected 1 element, got {q_scale.numel()}"
         )
-    tensors = [("q_nope", q_nope), ("q_pe", q_pe), ("out", out), ("weight", values)]
+    inputs = [("q_nope", q_nope), ("q_pe", q_pe), ("weight", values)]
+    if isinstance(weight, MXFP8Weight):
+        inputs.append(("weight.scales", weight.scales))
     if q_scale is not None:
-        tensors.append(("q_scale", q_scale))
-    for name, t in tensors[1:]:
+        inputs.append(("q_scale", q_scale))
+    for name, t in [*inputs[1:], ("out", out)]:
         _need(
             t.device == q_nope.device,
             ValueError,
             f"{name}: expected device {q_nope.device} (q_nope's), got {t.device}",
         )
+    _check_out_memory(out, inputs)
     return _Args(m, h, p, latent, rope, weight, fp8_out)
+
+
+def _check_out_memory(out: torch.Tensor, inputs: list[tuple[str, torch.Tensor]]) -> None:
+    _need(
+        not overlap.self_overlapping(out),
+        ValueError,
+        f"out: expected distinct memory per element, got a stride-0 dim (strides "
+        f"{tuple(out.stride())}, shape {tuple(out.shape)})",
+    )
+    # Under torch.compile the operands are traced values without addresses.
+    if torch.compiler.is_compiling():
+        return
+    # The fused kernel writes the latent part before it reads q_pe: no in-place call.
+    name = overlap.overlapping(out, inputs)
+    _need(
+        name is None,
+        ValueError,
+        f"out: expected a buffer separate from the inputs, got one overlapping {name} in memory",
+    )
 
 
 def can_fuse_query_projection(

@@ -16,7 +16,8 @@ INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 @dataclass(frozen=True)
 class FP8BlockTensor:
     """``values`` (float8_e4m3fn ``[out, in]``) and ``scale_inv`` (float32
-    ``[ceil(out / block[0]), ceil(in / block[1])]``; edge blocks may be partial)."""
+    ``[ceil(out / block[0]), ceil(in / block[1])]``; edge blocks may be partial), on one
+    device."""
 
     values: torch.Tensor
     scale_inv: torch.Tensor
@@ -27,6 +28,11 @@ class FP8BlockTensor:
             raise TypeError(f"values: expected torch.float8_e4m3fn, got {self.values.dtype}")
         if self.scale_inv.dtype != torch.float32:
             raise TypeError(f"scale_inv: expected torch.float32, got {self.scale_inv.dtype}")
+        if self.scale_inv.device != self.values.device:
+            raise ValueError(
+                f"scale_inv: expected device {self.values.device} (values'), "
+                f"got {self.scale_inv.device}"
+            )
         _check_block(self.block)
         if self.values.dim() != 2:
             raise ValueError(

@@ -39,7 +39,8 @@ _POW2 = torch.tensor(
 @dataclass(frozen=True)
 class MXFP8Tensor:
     """MXFP8 data: ``values`` (float8_e4m3fn, the original shape) and ``scales`` (uint8 biased
-    exponents, the original shape with ``size(axis) // BLOCK_SIZE`` on ``axis``)."""
+    exponents, the original shape with ``size(axis) // BLOCK_SIZE`` on ``axis``), on one
+    device."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -50,6 +51,10 @@ class MXFP8Tensor:
             raise TypeError(f"values: expected torch.float8_e4m3fn, got {self.values.dtype}")
         if self.scales.dtype != torch.uint8:
             raise TypeError(f"scales: expected torch.uint8, got {self.scales.dtype}")
+        if self.scales.device != self.values.device:
+            raise ValueError(
+                f"scales: expected device {self.values.device} (values'), got {self.scales.device}"
+            )
         shape = tuple(self.values.shape)
         if not 0 <= self.axis < len(shape):
             raise ValueError(f"axis must be in [0, {len(shape)}) for values of shape {shape}")

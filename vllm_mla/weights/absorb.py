@@ -42,6 +42,8 @@ DEFAULT_MAX_SCRATCH_BYTES = 8 << 20  # 8 MiB: a few heads at any preset's geomet
 STATE_ATTR = "_vllm_mla_absorbed"
 PAIR = ("W_UK_T", "W_UV")
 ABSORBED_MODES = ("bf16", "direct")
+MATERIALIZE = "absorbed-pair materialization"
+SOURCE_KEPT = "kv_b_proj's source intact, nothing released"
 
 
 class LifecycleError(RuntimeError):
@@ -50,6 +52,34 @@ class LifecycleError(RuntimeError):
 
 class ReleaseRefusedError(LifecycleError):
     """Release was asked for while a dense MHA prefill path still calls kv_b_proj."""
+
+
+class PostLoadError(LifecycleError):
+    """Post-load failed part-way and changed nothing: it can be retried.
+
+    ``step`` is the last lifecycle step reached (an allocation, copy, dequantization chunk
+    or release, as the fault seam names it), ``layer`` the vLLM layer when the caller knows
+    it; the original error is ``__cause__``.
+    """
+
+    def __init__(
+        self, what: str, kept: str, step: str | None, cause: str, layer: str | None = None
+    ) -> None:
+        super().__init__(what, kept, step, cause, layer)
+        self.what, self.kept, self.step, self.cause, self.layer = what, kept, step, cause, layer
+
+    @classmethod
+    def after(cls, what: str, kept: str, exc: BaseException) -> PostLoadError:
+        """The error for ``exc`` raised inside ``what``, at the seam's last step."""
+        return cls(what, kept, faults.last_step(), f"{type(exc).__name__}: {exc}")
+
+    def __str__(self) -> str:
+        of = f" of {self.layer}" if self.layer else ""
+        at = f" at {self.step}" if self.step else ""
+        return (
+            f"vllm-mla: {self.what}{of} failed{at} ({self.cause}); every tensor of the layer "
+            f"is as it was ({self.kept}); post-load can be retried"
+        )
 
 
 @dataclass(frozen=True)
@@ -341,6 +371,7 @@ def post_load(
 
     plan = plan_absorption(layer, source, act_dtype, config)
     action = "reloaded" if state.fingerprint is not None else "materialized"
+    faults.begin()
     try:
         live, targets, actions = preallocate(layer, plan)
         materialize(targets, source, plan)
@@ -350,12 +381,8 @@ def post_load(
         staged = [name for name in PAIR if targets[name] is not live[name]]
         for name in staged:
             faults.site("copy", f"commit {name}")
-    except BaseException as exc:
-        exc.add_note(
-            "vllm-mla: absorbed-pair materialization failed; every tensor of the layer is as "
-            "it was (kv_b_proj's source intact, nothing released); post-load can be retried"
-        )
-        raise
+    except Exception as exc:
+        raise PostLoadError.after(MATERIALIZE, SOURCE_KEPT, exc) from exc
     with torch.no_grad():
         for name in staged:
             live[name].copy_(targets[name])

@@ -32,7 +32,7 @@ from vllm_mla.ops.absorbed_matmul import MXFP8_ACT_DTYPES, MXFP8Weight
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.quant import layouts, mxfp8
 from vllm_mla.weights import faults, forms, readers
-from vllm_mla.weights.absorb import layer_dims, state_of
+from vllm_mla.weights.absorb import PostLoadError, layer_dims, state_of
 from vllm_mla.weights.sources import holds_weights, owner_module, owner_tensors, prepare_release
 
 DIRECT_DECODES = ("mxfp8", "mxfp8-swizzled", "mxfp8-b12x")
@@ -186,6 +186,7 @@ def post_load_direct(
     values, plain, swizzled = pack_tensors(f, module)
     rows, cols = _rows(module)
     groups = cols // mxfp8.BLOCK_SIZE
+    faults.begin()
     try:
         staged_scales = plain
         if swizzled is not None:
@@ -196,12 +197,10 @@ def post_load_direct(
             source = forms.source_of(f, module, act_dtype)
             release = prepare_release(dataclasses.replace(source, names=("weight_scale",)))
         faults.site("copy", "direct pack")
-    except BaseException as exc:
-        exc.add_note(
-            "vllm-mla: direct-mode binding failed; the layer is as it was (pack intact, "
-            "nothing released); post-load can be retried"
-        )
-        raise
+    except Exception as exc:
+        raise PostLoadError.after(
+            "direct-mode binding", "pack intact, nothing released", exc
+        ) from exc
     if live is None:
         owns = swizzled is not None
         live = DirectState(f.name, values, staged_scales, owns)

@@ -2,7 +2,8 @@
 
 Every allocation, copy, dequantization chunk and release step of post-load and reload
 calls ``site(kind, name)`` first. With no injector installed (always, outside tests)
-that is one global read and a comparison. Tests install an injector with
+that is one global write (the step reached, which a failure's error names) and a
+comparison. Tests install an injector with
 ``inject(fn)``: ``fn(kind, name)`` may raise to simulate a failure at that point; it
 also lets them count and list the sites a run passes through.
 """
@@ -16,12 +17,26 @@ SITE_KINDS = ("alloc", "copy", "dequant", "release")
 
 Injector = Callable[[str, str], None]
 _injector: Injector | None = None
+_last: tuple[str, str] | None = None  # the last site reached since ``begin``
 
 
 def site(kind: str, name: str) -> None:
     """A point where a real failure could happen (allocation, copy, decode, release)."""
+    global _last
+    _last = (kind, name)
     if _injector is not None:
         _injector(kind, name)
+
+
+def begin() -> None:
+    """Start a lifecycle run: no step reached yet."""
+    global _last
+    _last = None
+
+
+def last_step() -> str | None:
+    """``"kind name"`` of the last site reached since ``begin`` (None before the first)."""
+    return None if _last is None else f"{_last[0]} {_last[1]}"
 
 
 @contextmanager

@@ -46,14 +46,37 @@ def quantize_rows(
     return values, scale
 
 
+def _describe(x: object) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"{x.dtype} {tuple(x.shape)} on {x.device}"
+
+
 def _check_cache(cache: torch.Tensor) -> None:
-    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != RECORD_BYTES:
+    ok = isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8 and cache.dim() == 3
+    if not ok or cache.shape[-1] != RECORD_BYTES:
         raise IndexerError(
             f"index-key cache: expected uint8 [num_blocks, block_size, {RECORD_BYTES}], "
-            f"got {cache.dtype} {tuple(cache.shape)}"
+            f"got {_describe(cache)}"
         )
     if cache.stride(2) != 1 or cache.stride(1) != RECORD_BYTES:
         raise IndexerError(f"index-key cache: pages must be contiguous, strides {cache.stride()}")
+    # The scales are read as float32 views of each page: 4-byte aligned offsets only.
+    if cache.storage_offset() % SCALE_BYTES or cache.stride(0) % SCALE_BYTES:
+        raise IndexerError(
+            f"index-key cache: expected a storage offset and page stride that are multiples "
+            f"of {SCALE_BYTES}, got offset {cache.storage_offset()}, strides {cache.stride()}"
+        )
+
+
+def _check_index(name: str, x: object, dims: int, device: torch.device) -> torch.Tensor:
+    """``x`` is an integer tensor of rank ``dims`` on ``device``."""
+    ok = isinstance(x, torch.Tensor) and x.dim() == dims and x.device == device
+    if not ok or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise IndexerError(
+            f"{name}: expected a {dims}-D integer tensor on {device}, got {_describe(x)}"
+        )
+    return x
 
 
 def _pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,16 +92,25 @@ def _pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def insert_keys(
     cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, ue8m0: bool = True
 ) -> None:
-    """Quantize ``k [T, 128]`` and write row ``t`` at physical slot ``slots[t]`` (< 0: skip)."""
+    """Quantize ``k [T, 128]`` and write row ``t`` at physical slot ``slots[t]`` (< 0: skip;
+    past the pool: IndexerError)."""
     _check_cache(cache)
-    if k.dim() != 2 or k.shape[1] != INDEX_HEAD_DIM or k.shape[0] != slots.shape[0]:
-        raise IndexerError(
-            f"k: expected [T={slots.shape[0]}, {INDEX_HEAD_DIM}], got {tuple(k.shape)}"
-        )
+    _check_index("slots", slots, 1, cache.device)
+    t = slots.shape[0]
+    if not isinstance(k, torch.Tensor) or k.shape != (t, INDEX_HEAD_DIM):
+        raise IndexerError(f"k: expected [T={t}, {INDEX_HEAD_DIM}], got {_describe(k)}")
+    if k.device != cache.device or not k.is_floating_point():
+        raise IndexerError(f"k: expected a float tensor on {cache.device}, got {_describe(k)}")
     keep = slots >= 0
     if not bool(keep.any()):
         return
     slot = slots[keep].long()
+    rows = cache.shape[0] * cache.shape[1]
+    if int(slot.max()) >= rows:
+        raise IndexerError(
+            f"slots: expected < num_blocks * block_size = {rows} (or < 0: skip), "
+            f"got {int(slot.max())}"
+        )
     values, scales = quantize_rows(k[keep], ue8m0=ue8m0)
     page_values, page_scales = _pages(cache)
     bs = cache.shape[1]
@@ -145,13 +177,31 @@ def index_topk(
     for name, x, shape in (("weights", weights, (t, q.shape[1])), ("lengths", lengths, (t,))):
         if tuple(x.shape) != shape:
             raise IndexerError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    _check_cache(cache)
+    _check_index("lengths", lengths, 1, q.device)
+    _check_index("block_tables", block_tables, 2, q.device)
+    if block_tables.shape[0] != t:
+        raise IndexerError(f"block_tables: expected [T={t}, W], got {_describe(block_tables)}")
+    if not isinstance(topk, int) or topk < 0:
+        raise IndexerError(f"topk: expected an int >= 0, got {topk!r}")
     out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
-    bs = cache.shape[1]
+    nb, bs = cache.shape[:2]
+    capacity = block_tables.shape[1] * bs
     q = q.float()  # exact for e4m3 inputs; float indexing works on every device
     for i in range(t):
         length = int(lengths[i])
         if length <= 0:
             continue
+        if length > capacity:
+            raise IndexerError(
+                f"lengths: expected <= W * block_size = {capacity} (token {i}), got {length}"
+            )
+        pages = block_tables[i, : -(-length // bs)]
+        if bool(((pages < 0) | (pages >= nb)).any()):
+            raise IndexerError(
+                f"block_tables: expected pages in [0, {nb}) for the {length} positions of "
+                f"token {i}, got {pages.tolist()}"
+            )
         k, k_scale = read_keys(cache, request_rows(block_tables[i], length, bs))
         scores = logits(q[i : i + 1], weights[i : i + 1], k, k_scale)
         out[i] = select_topk(scores, lengths[i : i + 1], topk)[0]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_mla.ops import overlap
 from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
     ROPE,
@@ -55,6 +56,14 @@ def _contiguous_last(name: str, t: torch.Tensor) -> None:
         )
 
 
+def _writable(name: str, t: torch.Tensor) -> None:
+    if overlap.self_overlapping(t):
+        raise SparseMLAError(
+            f"{name}: expected distinct memory per element, got a stride-0 dim (strides "
+            f"{t.stride()}, shape {tuple(t.shape)})"
+        )
+
+
 def split_q(q: Query) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [T, H, 576]`` or ``(q_nope [T, H, 512], q_pe [T, H, 64])`` -> two views."""
     if isinstance(q, tuple | list):
@@ -100,9 +109,11 @@ def validate(
     if out is not None:
         named.append(("out", _tensor("out", out, (q_nope.dtype,), (t, h, LATENT))))
         _contiguous_last("out", out)
+        _writable("out", out)
     if lse is not None:
         named.append(("lse", _tensor("lse", lse, (torch.float32,), (t, h))))
         _contiguous_last("lse", lse)
+        _writable("lse", lse)
     if invalid is not None:
         named.append(("invalid", _tensor("invalid", invalid, (torch.int32,), (1,))))
     for name, x in named:

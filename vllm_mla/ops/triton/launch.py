@@ -106,6 +106,8 @@ def absorbed_bmm(a: torch.Tensor, values: torch.Tensor, scales, out: torch.Tenso
 
     ``scales`` is None for a dense W; otherwise its shape says the block axis.
     """
+    if out.numel() == 0:
+        return  # B, M or N is 0 (no tile to launch; N = 0 would make a 0-wide tile)
     interpret = envs.triton_interpret()
     batch, m, k = a.shape
     n = values.shape[2]

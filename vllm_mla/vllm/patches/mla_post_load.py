@@ -32,7 +32,7 @@ from torch import nn
 from vllm_mla import envs
 from vllm_mla.backends import capabilities_for, lifecycle_config
 from vllm_mla.vllm import telemetry, wake_check
-from vllm_mla.weights import LifecycleConfig, forms, post_load
+from vllm_mla.weights import LifecycleConfig, PostLoadError, forms, post_load
 from vllm_mla.weights.absorb import state_of
 from vllm_mla.weights.direct import DIRECT_DECODES, DirectModeError
 from vllm_mla.weights.route import bind_safe
@@ -178,7 +178,11 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
                 raise ValueError("DCP query replication is unsupported with q_pad_num_heads")
         # refresh: vLLM's reload writes new weights through .data, which no version
         # counter sees, so a present source is always re-materialized (in place).
-        report = post_load(self, act_dtype, config, refresh=True)
+        try:
+            report = post_load(self, act_dtype, config, refresh=True)
+        except PostLoadError as exc:
+            exc.layer = name  # the error names the layer it left as it was
+            raise
         _upstream_tail(self)
         telemetry.record_post_load(name, report.action)
         if config.absorbed == "bf16":

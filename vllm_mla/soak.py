@@ -1,0 +1,230 @@
+"""`vllm-mla soak`: post-load, then reload with new weights many times, checking each cycle.
+
+Each cycle gives every layer new kv_b_proj weights the way vLLM's reload does
+(``qualify.load_into``: new parameters, the kernel's new state), runs the lean post-load
+again and checks three things against the first post-load. The weights rotate through
+``pool`` seeded sets (every cycle differs from the one before; generating and quantizing
+new weights would otherwise cost more than the cycle itself).
+
+- ``pointer_moves``: the pair's addresses (the storage a CUDA graph captured) changed;
+- ``value_mismatches``: the pair differs from a fresh layer built from the same weights
+  through upstream's post-load (an independent path: exact equality);
+- ``ledger_growth_bytes``: the ledger's bytes per owner differ from the first post-load's
+  (a leaked source, a second pair, a scale copy kept twice...).
+
+On CUDA it also checks that the allocator's allocated bytes after a cycle never exceed
+those after the first one, and ``replay`` runs a captured graph reading the pair after
+every cycle (its output must equal the eager one). Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_mla.geometry import preset
+from vllm_mla.memory import Ledger
+from vllm_mla.qualify import (
+    ACT_DTYPES,
+    QualifyError,
+    dense_pair,
+    load_into,
+    pair_pointers,
+    resolve_device,
+    synthetic_tensors,
+)
+from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
+from vllm_mla.weights.absorb import ABSORBED_MODES
+from vllm_mla.weights.direct import DIRECT_DECODES
+from vllm_mla.weights.forms import FORM_NAMES, form
+from vllm_mla.weights.layer import MLALayer, build_layer
+
+Progress = Callable[[str, int], Iterator[int]]
+MAX_RECORDED = 5  # failures kept with their details; the counts cover every cycle
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """One soak run: geometry, kv_b_proj form, cycles, device."""
+
+    cycles: int = 1000
+    preset: str = "deepseek-v2-lite"
+    tp: int = 4  # 4 heads per rank: 1,000 cycles take seconds on a CPU
+    layers: int = 2
+    pool: int = 3  # distinct weight sets rotated through
+    max_scratch_bytes: int = 1 << 20  # two heads per dequant chunk: 2 chunks per layer
+    weights: str = "fp8-block-deepgemm"
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    release: bool = True
+    absorbed: str = "bf16"
+    seed: int = 0
+    replay: bool = True  # CUDA only: a captured graph reads the pair after every cycle
+
+
+@dataclass
+class SoakReport:
+    """Counts over every cycle; ``ok`` when all are zero."""
+
+    cycles: int
+    layers: int
+    weights: str
+    device: str
+    pointer_moves: int = 0
+    value_mismatches: int = 0
+    ledger_growth_bytes: int = 0
+    allocated_growth_bytes: int | None = None  # CUDA only
+    replay_mismatches: int | None = None  # CUDA graphs only
+    resident_bytes: int = 0
+    failures: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.pointer_moves
+            or self.value_mismatches
+            or self.ledger_growth_bytes
+            or self.allocated_growth_bytes
+            or self.replay_mismatches
+        )
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "ok": self.ok}
+
+
+def _check(cfg: SoakConfig) -> None:
+    if cfg.cycles < 1:
+        raise QualifyError(f"--cycles must be >= 1, got {cfg.cycles}")
+    if cfg.pool < 2:
+        raise QualifyError(f"--pool must be >= 2 (a reload must bring new weights), got {cfg.pool}")
+    if cfg.layers < 1:
+        raise QualifyError(f"--layers must be >= 1, got {cfg.layers}")
+    if cfg.dtype not in ACT_DTYPES:
+        raise QualifyError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.absorbed not in ABSORBED_MODES:
+        raise QualifyError(
+            f"--absorbed must be one of {', '.join(ABSORBED_MODES)}, got {cfg.absorbed!r}"
+        )
+    if cfg.weights not in FORM_NAMES:
+        raise QualifyError(f"--weights must be one of {', '.join(FORM_NAMES)}, got {cfg.weights!r}")
+    if cfg.absorbed == "direct" and form(cfg.weights).decode not in DIRECT_DECODES:
+        raise QualifyError(f"--absorbed direct serves an MXFP8 pack; {cfg.weights} is not one")
+
+
+def _ledger(layers: list[MLALayer]) -> dict[str, int]:
+    ledger = Ledger()
+    for layer in layers:
+        ledger.add_layer(layer)
+    return {o: ledger.bytes_of(o) for o in ("absorbed", "source", "packed")}
+
+
+class _Replay:
+    """A CUDA graph that reads every layer's pair into its own output (a decode stand-in)."""
+
+    def __init__(self, layers: list[MLALayer]) -> None:
+        self.layers = layers
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.out = self._read()  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph):
+            self.out = self._read()
+
+    def _read(self) -> torch.Tensor:
+        sums = [t.float().sum() for layer in self.layers for t in dense_pair(layer)]
+        return torch.stack(sums)
+
+    def mismatch(self) -> bool:
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return not torch.equal(self.out, self._read())
+
+
+def _fresh_pair(geo, held, device, act: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The pair upstream's post-load makes from ``held`` on a layer built for it alone."""
+    reference = build_layer(geo, held, device)
+    baseline_post_load(reference, act)
+    return tuple(t.clone() for t in dense_pair(reference))
+
+
+def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakReport:
+    """Run ``cfg.cycles`` reload cycles; every check counted over every cycle and layer."""
+    started = time.perf_counter()
+    _check(cfg)
+    device = resolve_device(cfg.device)
+    act = ACT_DTYPES[cfg.dtype]
+    geo = preset(cfg.preset).shard(cfg.tp, 0)
+    f = form(cfg.weights)
+    lifecycle = LifecycleConfig(
+        release_source=cfg.release,
+        dense_mha_prefill=False,
+        max_scratch_bytes=cfg.max_scratch_bytes,
+        absorbed=cfg.absorbed,
+    )
+    sets = [
+        [synthetic_tensors(geo, f, cfg.seed + k, i, act) for i in range(cfg.layers)]
+        for k in range(cfg.pool)
+    ]
+    expected = [[_fresh_pair(geo, held, device, act) for held in weights] for weights in sets]
+    layers = [build_layer(geo, held, device) for held in sets[0]]
+    for layer in layers:
+        post_load(layer, act, lifecycle)
+    pointers = [pair_pointers(layer) for layer in layers]
+    owners = _ledger(layers)
+    cuda = device.type == "cuda"
+    replay = _Replay(layers) if cuda and cfg.replay else None
+    if cuda:
+        torch.cuda.synchronize(device)
+    allocated = torch.cuda.memory_allocated(device) if cuda else None
+    report = SoakReport(
+        cfg.cycles,
+        cfg.layers,
+        f.name,
+        str(device),
+        allocated_growth_bytes=0 if cuda else None,
+        replay_mismatches=0 if replay else None,
+        resident_bytes=sum(owners.values()),
+    )
+
+    def fail(cycle: int, what: str) -> None:
+        if len(report.failures) < MAX_RECORDED:
+            report.failures.append(f"cycle {cycle}: {what}")
+
+    cycles = progress("soak", cfg.cycles) if progress else iter(range(cfg.cycles))
+    for c in cycles:
+        cycle = c + 1  # cycle 0 is the first post-load
+        k = cycle % cfg.pool
+        for i, layer in enumerate(layers):
+            load_into(layer, sets[k][i], device)
+            post_load(layer, act, lifecycle)
+            if pair_pointers(layer) != pointers[i]:
+                report.pointer_moves += 1
+                fail(cycle, f"layer {i}: pair addresses moved")
+            same = all(
+                torch.equal(a, b) for a, b in zip(dense_pair(layer), expected[k][i], strict=True)
+            )
+            if not same:
+                report.value_mismatches += 1
+                fail(cycle, f"layer {i}: pair differs from a fresh build of weight set {k}")
+        now = _ledger(layers)
+        growth = sum(max(0, now[o] - owners[o]) for o in owners)
+        if now != owners:
+            report.ledger_growth_bytes = max(report.ledger_growth_bytes, growth)
+            fail(cycle, f"ledger {now} != first post-load's {owners}")
+        if cuda:
+            torch.cuda.synchronize(device)
+            extra = torch.cuda.memory_allocated(device) - allocated
+            if extra > report.allocated_growth_bytes:
+                report.allocated_growth_bytes = extra
+                fail(cycle, f"allocated bytes grew by {extra}")
+        if replay is not None and replay.mismatch():
+            report.replay_mismatches += 1
+            fail(cycle, "graph replay read a pair different from the eager one")
+    report.elapsed_s = round(time.perf_counter() - started, 3)
+    return report
