@@ -164,9 +164,7 @@ def _phase(
         timelines[label] = trace.timeline()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    ledger = Ledger()
-    for layer in layers:
-        ledger.add_layer(layer)
+    ledger = ledger_of(layers)
     return {
         "absorbed_bytes": ledger.bytes_of("absorbed"),
         "source_bytes": ledger.bytes_of("source"),
@@ -175,6 +173,43 @@ def _phase(
         "peak_transient_bytes": trace.transient_peak(),
         "reserved_unallocated_bytes": _reserved_unallocated(device),
     }
+
+
+def ledger_of(layers: list[MLALayer]) -> Ledger:
+    """One ledger over ``layers`` (a storage shared by two layers counts once)."""
+    ledger = Ledger()
+    for layer in layers:
+        ledger.add_layer(layer)
+    return ledger
+
+
+def upstream_pair(
+    geo: RankGeometry, held: FormTensors, device: torch.device, act: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """The pair upstream's post-load makes from ``held`` on a layer built for it alone."""
+    reference = build_layer(geo, held, device)
+    baseline_post_load(reference, act)
+    return dense_pair(reference)
+
+
+def act_dtype(name: str) -> torch.dtype:
+    """The activation dtype ``name`` (``--dtype``); QualifyError for another name."""
+    if name not in ACT_DTYPES:
+        raise QualifyError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {name!r}")
+    return ACT_DTYPES[name]
+
+
+def check_absorbed(absorbed: str, f: KVBForm) -> None:
+    """QualifyError unless ``absorbed`` (``--absorbed``) is a mode that can serve ``f``."""
+    if absorbed not in ABSORBED_MODES:
+        raise QualifyError(
+            f"--absorbed must be one of {', '.join(ABSORBED_MODES)}, got {absorbed!r}"
+        )
+    if absorbed == "direct" and f.decode not in DIRECT_DECODES:
+        raise QualifyError(
+            f"--absorbed direct serves an MXFP8 pack ({', '.join(direct_forms())}); "
+            f"--weights {f.name} is not one"
+        )
 
 
 def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -209,11 +244,8 @@ def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, pro
         load_into(layer, new, device)
         post_load(layer, act, lifecycle)
         stable &= before == pair_pointers(layer)
-        reference = build_layer(geo, new, device)
-        baseline_post_load(reference, act)
-        correct &= all(
-            torch.equal(a, b) for a, b in zip(dense_pair(layer), dense_pair(reference), strict=True)
-        )
+        reference = upstream_pair(geo, new, device, act)
+        correct &= all(torch.equal(a, b) for a, b in zip(dense_pair(layer), reference, strict=True))
     return {"stable": stable, "correct": correct}
 
 
@@ -236,23 +268,13 @@ def run_qualify(
     started = time.perf_counter()
     geo = model_geometry(cfg).shard(cfg.tp, cfg.rank)
     device = resolve_device(cfg.device)
-    if cfg.dtype not in ACT_DTYPES:
-        raise QualifyError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {cfg.dtype!r}")
-    act = ACT_DTYPES[cfg.dtype]
+    act = act_dtype(cfg.dtype)
     if cfg.model and not cfg.checkpoint:
         cfg = replace(cfg, checkpoint=cfg.model)
     if cfg.layers is not None and cfg.layers <= 0:
         raise QualifyError(f"--layers must be positive, got {cfg.layers}")
     f, per_layer = _sources(cfg, geo, act, progress)
-    if cfg.absorbed not in ABSORBED_MODES:
-        raise QualifyError(
-            f"--absorbed must be one of {', '.join(ABSORBED_MODES)}, got {cfg.absorbed!r}"
-        )
-    if cfg.absorbed == "direct" and f.decode not in DIRECT_DECODES:
-        raise QualifyError(
-            f"--absorbed direct serves an MXFP8 pack ({', '.join(direct_forms())}); "
-            f"--weights {f.name} is not one"
-        )
+    check_absorbed(cfg.absorbed, f)
     lifecycle = LifecycleConfig(
         release_source=cfg.release and not cfg.mha_prefill,
         dense_mha_prefill=cfg.mha_prefill,

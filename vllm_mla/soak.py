@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from vllm_mla.geometry import preset
-from vllm_mla.memory import Ledger
 from vllm_mla.qualify import (
-    ACT_DTYPES,
     QualifyError,
+    act_dtype,
+    check_absorbed,
     dense_pair,
+    ledger_of,
     load_into,
     pair_pointers,
     resolve_device,
     synthetic_tensors,
+    upstream_pair,
 )
-from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
-from vllm_mla.weights.absorb import ABSORBED_MODES
-from vllm_mla.weights.direct import DIRECT_DECODES
+from vllm_mla.weights import LifecycleConfig, post_load
 from vllm_mla.weights.forms import FORM_NAMES, form
 from vllm_mla.weights.layer import MLALayer, build_layer
 
@@ -93,7 +93,7 @@ class SoakReport:
         )
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "ok": self.ok}
+        return {**asdict(self), "ok": self.ok}
 
 
 def _check(cfg: SoakConfig) -> None:
@@ -103,22 +103,14 @@ def _check(cfg: SoakConfig) -> None:
         raise QualifyError(f"--pool must be >= 2 (a reload must bring new weights), got {cfg.pool}")
     if cfg.layers < 1:
         raise QualifyError(f"--layers must be >= 1, got {cfg.layers}")
-    if cfg.dtype not in ACT_DTYPES:
-        raise QualifyError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {cfg.dtype!r}")
-    if cfg.absorbed not in ABSORBED_MODES:
-        raise QualifyError(
-            f"--absorbed must be one of {', '.join(ABSORBED_MODES)}, got {cfg.absorbed!r}"
-        )
+    act_dtype(cfg.dtype)
     if cfg.weights not in FORM_NAMES:
         raise QualifyError(f"--weights must be one of {', '.join(FORM_NAMES)}, got {cfg.weights!r}")
-    if cfg.absorbed == "direct" and form(cfg.weights).decode not in DIRECT_DECODES:
-        raise QualifyError(f"--absorbed direct serves an MXFP8 pack; {cfg.weights} is not one")
+    check_absorbed(cfg.absorbed, form(cfg.weights))
 
 
 def _ledger(layers: list[MLALayer]) -> dict[str, int]:
-    ledger = Ledger()
-    for layer in layers:
-        ledger.add_layer(layer)
+    ledger = ledger_of(layers)
     return {o: ledger.bytes_of(o) for o in ("absorbed", "source", "packed")}
 
 
@@ -146,19 +138,12 @@ class _Replay:
         return not torch.equal(self.out, self._read())
 
 
-def _fresh_pair(geo, held, device, act: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The pair upstream's post-load makes from ``held`` on a layer built for it alone."""
-    reference = build_layer(geo, held, device)
-    baseline_post_load(reference, act)
-    return tuple(t.clone() for t in dense_pair(reference))
-
-
 def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakReport:
     """Run ``cfg.cycles`` reload cycles; every check counted over every cycle and layer."""
     started = time.perf_counter()
     _check(cfg)
     device = resolve_device(cfg.device)
-    act = ACT_DTYPES[cfg.dtype]
+    act = act_dtype(cfg.dtype)
     geo = preset(cfg.preset).shard(cfg.tp, 0)
     f = form(cfg.weights)
     lifecycle = LifecycleConfig(
@@ -171,7 +156,7 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakReport:
         [synthetic_tensors(geo, f, cfg.seed + k, i, act) for i in range(cfg.layers)]
         for k in range(cfg.pool)
     ]
-    expected = [[_fresh_pair(geo, held, device, act) for held in weights] for weights in sets]
+    expected = [[upstream_pair(geo, held, device, act) for held in weights] for weights in sets]
     layers = [build_layer(geo, held, device) for held in sets[0]]
     for layer in layers:
         post_load(layer, act, lifecycle)

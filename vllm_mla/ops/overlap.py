@@ -1,6 +1,7 @@
 """Memory-overlap checks for the ops' ``out`` arguments (validation only, never a kernel).
 
-Both are cheap (a few integer comparisons per dim): they run on every validated call.
+They are cheap (a few integer comparisons per dim): they run on every validated call.
+``out_problem`` is the one rule every op applies; each op raises it as its own typed error.
 """
 
 from __future__ import annotations
@@ -44,3 +45,28 @@ def overlapping(out: torch.Tensor, inputs: Iterable[tuple[str, torch.Tensor]]) -
             if o0 < t1 and t0 < o1:
                 return name
     return None
+
+
+def out_problem(
+    out: torch.Tensor, inputs: Iterable[tuple[str, torch.Tensor]] = (), name: str = "out"
+) -> str | None:
+    """Why ``out`` cannot be written (its elements alias each other, or it overlaps one of
+    ``inputs``), as an error message naming it; None when it can. The overlap with inputs
+    is not checked while torch.compile traces (traced values have no addresses)."""
+    if self_overlapping(out):
+        return (
+            f"{name}: expected distinct memory per element, got a stride-0 dim (strides "
+            f"{tuple(out.stride())}, shape {tuple(out.shape)}): {name} has elements that share "
+            "memory, so no correct answer can be written into it"
+        )
+    if torch.compiler.is_compiling():
+        return None
+    other = overlapping(out, inputs)
+    if other is None:
+        return None
+    (o0, o1), (t0, t1) = span(out), span(dict(inputs)[other])
+    return (
+        f"{name}: expected a buffer separate from the inputs, got one overlapping {other} in "
+        f"memory ({name} overlaps {other}: {name} bytes [{o0:#x}, {o1:#x}), {other} bytes "
+        f"[{t0:#x}, {t1:#x}))"
+    )

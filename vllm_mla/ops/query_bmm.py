@@ -109,16 +109,6 @@ def _fake(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
 # Public entry point.
 
 
-def _check_no_overlap(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    name = overlap.overlapping(out, (("query", query), ("weight", weight)))
-    if name is not None:
-        (o0, o1), (t0, t1) = overlap.span(out), overlap.span(query if name == "query" else weight)
-        raise ValueError(
-            f"safe_mla_query_bmm: out overlaps {name} in memory (out bytes [{o0:#x}, "
-            f"{o1:#x}), {name} bytes [{t0:#x}, {t1:#x})); out must be a separate buffer"
-        )
-
-
 def _validate(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     args = {"query": query, "weight": weight, "out": out}
     for name, t in args.items():
@@ -160,13 +150,9 @@ def _validate(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> N
                 f"safe_mla_query_bmm: {name} is on {args[name].device} but query is on "
                 f"{query.device}; all operands must share one device"
             )
-    if overlap.self_overlapping(out):
-        raise ValueError(
-            f"safe_mla_query_bmm: out has elements that share memory (a stride-0 dim), got "
-            f"strides {out.stride()} for shape {tuple(out.shape)}; expected a writable buffer"
-        )
-    if not torch.compiler.is_compiling():
-        _check_no_overlap(query, weight, out)
+    problem = overlap.out_problem(out, (("query", query), ("weight", weight)))
+    if problem is not None:
+        raise ValueError(f"safe_mla_query_bmm: {problem}")
 
 
 def safe_mla_query_bmm(

@@ -147,27 +147,10 @@ def _validate(q_nope, weight, q_pe, out, q_scale) -> _Args:
             ValueError,
             f"{name}: expected device {q_nope.device} (q_nope's), got {t.device}",
         )
-    _check_out_memory(out, inputs)
-    return _Args(m, h, p, latent, rope, weight, fp8_out)
-
-
-def _check_out_memory(out: torch.Tensor, inputs: list[tuple[str, torch.Tensor]]) -> None:
-    _need(
-        not overlap.self_overlapping(out),
-        ValueError,
-        f"out: expected distinct memory per element, got a stride-0 dim (strides "
-        f"{tuple(out.stride())}, shape {tuple(out.shape)})",
-    )
-    # Under torch.compile the operands are traced values without addresses.
-    if torch.compiler.is_compiling():
-        return
     # The fused kernel writes the latent part before it reads q_pe: no in-place call.
-    name = overlap.overlapping(out, inputs)
-    _need(
-        name is None,
-        ValueError,
-        f"out: expected a buffer separate from the inputs, got one overlapping {name} in memory",
-    )
+    problem = overlap.out_problem(out, inputs)
+    _need(problem is None, ValueError, problem)
+    return _Args(m, h, p, latent, rope, weight, fp8_out)
 
 
 def can_fuse_query_projection(

@@ -57,11 +57,9 @@ def _contiguous_last(name: str, t: torch.Tensor) -> None:
 
 
 def _writable(name: str, t: torch.Tensor) -> None:
-    if overlap.self_overlapping(t):
-        raise SparseMLAError(
-            f"{name}: expected distinct memory per element, got a stride-0 dim (strides "
-            f"{t.stride()}, shape {tuple(t.shape)})"
-        )
+    problem = overlap.out_problem(t, name=name)
+    if problem is not None:
+        raise SparseMLAError(problem)
 
 
 def split_q(q: Query) -> tuple[torch.Tensor, torch.Tensor]:

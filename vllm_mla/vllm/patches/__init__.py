@@ -273,7 +273,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "level"),
         versions=SUPPORTED_VLLM,
         why="vLLM keeps no flag for weights discarded by sleep level 2 and not reloaded",
-        how="after the original, a level-2 sleep arms vllm_mla.vllm.wake_check",
+        how="before the original, a level-2 sleep fingerprints the MLA layers and arms the check",
         removal="when vLLM refuses to serve weights discarded and not reloaded",
         factory="vllm_mla.vllm.patches.wake_check_sleep:make_sleep",
     ),
