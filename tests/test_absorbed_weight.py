@@ -38,6 +38,19 @@ def routed(kind: str, role: str, dtype=torch.bfloat16, seed=0) -> nn.Parameter:
     return nn.Parameter(w, requires_grad=False)
 
 
+def assert_fp32_order_close(got, want, a, weight):
+    """``a @ weight`` from two kernels (Triton's interpreter or torch, any CPU blocking):
+    each fp32 sum of K terms is within K * 2**-24 of sum|terms|, so they differ by at most
+    K * 2**-23 of it; bf16 results add one ulp (each side rounds once, <= half an ulp)."""
+    w = ab.decode(weight, torch.float32) if isinstance(weight, MXFP8Weight) else weight.float()
+    terms = torch.bmm(a.float().abs(), w.abs())
+    tol = a.shape[-1] * 2.0**-23 * terms
+    if got.dtype == torch.bfloat16:
+        _, exp = torch.frexp(torch.maximum(got.float().abs(), want.float().abs()))
+        tol = tol + torch.ldexp(torch.ones_like(tol), exp - 8)  # 8 significant bits
+    assert ((got.float() - want.float()).abs() <= tol).all()
+
+
 def query(m=2, dtype=torch.bfloat16):
     """``q_nope`` as vLLM slices it: ``[M, H, P]`` view of a ``[M, H, P + R]`` tensor."""
     return torch.randn(m, H, P + 64).to(dtype)[..., :P]
@@ -65,8 +78,8 @@ def test_eager_bmm_with_out_routes_to_the_op(kind):
     # MLAAttention.forward_impl: torch.bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope.transpose(0, 1))
     torch.bmm(q.transpose(0, 1), w, out=out.transpose(0, 1))
     assert sum(ab.calls().values()) == 1 and next(iter(ab.calls())).endswith(":W_UK_T")
-    want = ab.reference(q.transpose(0, 1), w.weight).transpose(0, 1)
-    assert (out.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    want = ab.reference(q.transpose(0, 1), w.weight)
+    assert_fp32_order_close(out.transpose(0, 1), want, q.transpose(0, 1), w.weight)
 
 
 @pytest.mark.parametrize("kind", ["dense", "mxfp8"])
@@ -78,7 +91,7 @@ def test_eager_bmm_and_method_without_out(kind):
     b = x.bmm(w)
     assert type(a) is torch.Tensor and torch.equal(a, b)
     assert sum(ab.calls().values()) == 2
-    torch.testing.assert_close(a, ab.reference(x, w.weight), rtol=1e-6, atol=1e-6)
+    assert_fp32_order_close(a, ab.reference(x, w.weight), x, w.weight)
 
 
 def absorb(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
@@ -93,6 +106,11 @@ def absorb_out(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason=f"torch {torch.__version__}: Dynamo runs a tensor subclass's op on fake tensors "
+    "before 2.13 (vLLM, whose compiled region this is, pins torch >= 2.13)",
+)
 @pytest.mark.parametrize("fn", [absorb, absorb_out], ids=["functional", "out"])
 @pytest.mark.parametrize("kind", ["dense", "mxfp8"])
 def test_compiled_fullgraph_runs_the_custom_op(kind, fn):
@@ -103,7 +121,8 @@ def test_compiled_fullgraph_runs_the_custom_op(kind, fn):
     ab.reset_calls()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, w)
     assert sum(ab.calls().values()) == 1  # the op ran inside the compiled graph
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    heads_first = (t.transpose(0, 1) for t in (compiled, eager, q))
+    assert_fp32_order_close(*heads_first, w.weight)
     explained = torch._dynamo.explain(fn)(q, w)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
 

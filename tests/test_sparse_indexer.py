@@ -18,9 +18,10 @@ def test_rows_quantize_with_power_of_two_scales_that_fit():
     amax = x.abs().amax(-1)
     assert bool((amax / scales <= 448).all()) and bool((amax / scales > 224).all())
     _, plain = ix.quantize_rows(x, ue8m0=False)
-    assert torch.allclose(plain, amax / 448)
+    assert torch.equal(plain, amax / 448)  # the same exact fp32 max, one rounded division
     tiny = ix.quantize_rows(torch.zeros(2, 128))[1]  # the floor keeps zeros finite
     assert torch.equal(tiny, torch.full((2,), 2.0**-22))  # 1e-4 / 448 -> next power of two
+    # 1e-10 / 448 -> 2**-42 (2.3e-13); the default floor would give 2**-22
     assert ix.quantize_rows(torch.zeros(1, 128), floor=1e-10)[1].item() < 1e-12
 
 
@@ -64,7 +65,10 @@ def test_logits_are_relu_dots_weighted_over_heads_times_the_key_scale():
     for t in range(2):
         for j in range(9):
             want[t, j] = ks[j] * sum(w[t, h] * torch.relu(q[t, h] @ k[j]) for h in range(5))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # fp32 both sides in other orders: 128-term dots, 5-term head sums, 2 products each
+    # (relu is 1-Lipschitz): <= 2 * (128 + 5 + 2) * 2**-24 of ks * sum_h |w| |q| . |k|
+    terms = ks * torch.einsum("th,thd,sd->ts", w.abs(), q.abs(), k.abs())
+    assert ((got - want).abs() <= 2 * (128 + 5 + 2) * 2.0**-24 * terms).all()
 
 
 def test_top_k_breaks_ties_toward_the_lower_position_and_pads():

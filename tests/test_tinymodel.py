@@ -51,6 +51,8 @@ def test_weights_follow_seed_and_std():
     other = weights(TinyModelSpec(**{**SMALL.__dict__, "seed": 1}), 320)
     assert not torch.equal(a["lm_head.weight"], other["lm_head.weight"])
     std = a["model.layers.0.self_attn.q_proj.weight"].std().item()
+    # sample std of 384 x 64 N(0, 0.15) draws: standard error 0.15 / sqrt(2 n) ~ 7e-4, so
+    # 0.01 is ~15 of them, and a wrong std (0.1, 0.2) is 70 away
     assert abs(std - SMALL.init_std) < 0.01
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_mla import cpu_isa
 from vllm_mla.tinymodel import TinyModelSpec, make_model
 
 HERE = Path(__file__).parent
@@ -27,6 +28,16 @@ RUNS = {
     "off": {"VLLM_MLA": "0"},
     "on": {"VLLM_MLA": "1", "VLLM_MLA_SAFE_BMM": "always"},
 }
+
+
+def pytest_configure(config):
+    # VLLM_MLA_CPU_ISA is applied at interpreter start-up by the environment's .pth hook
+    # (scripts/setup.sh), in every engine job's process too; a bad value stops the run here
+    cpu_isa.apply()
+
+
+def pytest_report_header(config):
+    return f"CPU: VLLM_MLA_CPU_ISA={cpu_isa.applied()} (each engine job reports its library)"
 
 
 def pytest_collection_modifyitems(items):

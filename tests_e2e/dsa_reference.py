@@ -45,9 +45,22 @@ def round_k_pe(k_pe: torch.Tensor) -> torch.Tensor:
     return k_pe.to(torch.bfloat16).to(k_pe.dtype)
 
 
+class Decisions:
+    """Hooks on the reference's discrete decisions (``flip_effect.py`` forces single ones
+    the other way): ``selected(layer, scores, picked)`` returns the top-k to use,
+    ``latent(layer, exact, rounded)`` the cached latent to use (both ``[seq, ...]``)."""
+
+    def selected(self, layer: int, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        return picked
+
+    def latent(self, layer: int, exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+        return rounded
+
+
 @contextlib.contextmanager
-def emulating_vllm(kv_format: str) -> Iterator[None]:
+def emulating_vllm(kv_format: str, decisions: Decisions | None = None) -> Iterator[None]:
     """Patch transformers' DeepseekV32 as described in the module docstring."""
+    decisions = decisions or Decisions()
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
 
     rope = m.apply_rotary_pos_emb
@@ -83,6 +96,7 @@ def emulating_vllm(kv_format: str) -> Iterator[None]:
         for b in range(batch):
             scores = sparse_indexer.logits(q_fp8[b].float(), weights[b], k_fp8[b], k_scale[b])
             picked = sparse_indexer.select_topk(scores, lengths, self.index_topk)
+            picked = decisions.selected(self.layer_idx, scores, picked)
             # transformers scatters the indices into a mask: pad with a selected position
             out.append(torch.where(picked >= 0, picked, picked[:, :1]))
         return torch.stack(out)
@@ -95,7 +109,13 @@ def emulating_vllm(kv_format: str) -> Iterator[None]:
             return q, round_k_pe(k)
 
         m.apply_rotary_pos_emb_interleave = rounded_rope
-        self.__dict__["kv_a_layernorm"] = lambda x: round_kv_c(norm(x), kv_format)
+
+        def rounded_latent(x):
+            exact = norm(x)
+            rounded = round_kv_c(exact, kv_format)
+            return decisions.latent(self.layer_idx, exact[0], rounded[0])[None]
+
+        self.__dict__["kv_a_layernorm"] = rounded_latent
         try:
             return original_attention(self, *args, **kwargs)
         finally:
@@ -111,7 +131,13 @@ def emulating_vllm(kv_format: str) -> Iterator[None]:
         m.DeepseekV32Attention.forward = original_attention
 
 
-def reference(model_dir, prompt_ids: list[list[int]], max_tokens: int, kv_format: str | None):
+def reference(
+    model_dir,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    kv_format: str | None,
+    decisions: Decisions | None = None,
+):
     """Greedy tokens and full-vocabulary log-probabilities at every generated position,
     teacher-forced on its own greedy tokens; ``kv_format`` None: plain transformers."""
     from transformers import AutoModelForCausalLM
@@ -119,7 +145,7 @@ def reference(model_dir, prompt_ids: list[list[int]], max_tokens: int, kv_format
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    scope = emulating_vllm(kv_format) if kv_format else contextlib.nullcontext()
+    scope = emulating_vllm(kv_format, decisions) if kv_format else contextlib.nullcontext()
     results = []
     with torch.no_grad(), scope:
         for ids in prompt_ids:

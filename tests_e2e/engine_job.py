@@ -98,10 +98,11 @@ def _pair_pointers(model) -> dict[str, list[int]]:
 
 def _engine_state(model) -> dict:
     """Read inside the worker: the plugin's record, pair addresses, the ledger."""
-    from vllm_mla.vllm import plugin, telemetry
+    from vllm_mla.vllm import cpu_host, plugin, telemetry
 
     first = next(m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "W_UK_T"))
     return {
+        "cpu": cpu_host.describe(),
         "telemetry": telemetry.snapshot(),
         "plugin": plugin.registered(),
         "pointers": _pair_pointers(model),

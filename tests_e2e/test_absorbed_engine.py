@@ -7,18 +7,20 @@ MXFP8 kernel registered for CPU (``cpu-mxfp8``) with
 ``VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD=0`` (it keeps e4m3 values and E8M0 scales); the
 plugin in direct mode against stock vLLM (plugin off) on the same checkpoint. DSA:
 B12X_MLA_SPARSE in direct mode against the same engine in bf16 mode (stock vLLM CPU
-cannot serve DSA). Tolerance 5e-4 nats: the values are the same (MXFP8 is exact in fp32),
-only fp32 summation order differs (measured worst ~2e-5). Telemetry counts show our op
-served every absorption of every step of every layer.
+cannot serve DSA). Tolerances (error models in ``compare``): the values are the same (MXFP8
+is exact in fp32), only fp32 summation order differs, so dense runs are held to
+``DENSE_LOGPROB_TOL``; the DSA runs quantize their cache and index keys after that noise,
+so a rare decision can flip: ``SPARSE_LOGPROB_TOL``. Telemetry counts show our op served
+every absorption of every step of every layer.
 """
 
 from __future__ import annotations
 
 import pytest
+from compare import assert_dense_match, assert_sparse_match
 from conftest import run_engine_jobs
 from engine_job import MAX_TOKENS
 
-LOGPROB_TOL = 5e-4
 PHASES = ("first", "reloaded")
 MX_ENV = {"VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD": "0"}
 
@@ -45,22 +47,15 @@ def sparse_runs(sparse_mxfp8_models, tmp_path_factory) -> dict[str, dict]:
     return run_engine_jobs(jobs, tmp_path_factory.mktemp("absorbed-sparse"))
 
 
-def assert_same_generation(got: list[dict], want: list[dict]) -> float:
-    worst = 0.0
+def assert_same_top5(got: list[dict], want: list[dict]) -> None:
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a["token_ids"] == b["token_ids"], f"prompt {i}: greedy tokens differ"
-        for step, (top_a, top_b) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
-            assert top_a.keys() == top_b.keys(), f"prompt {i} step {step}: top-k differs"
-            for token, logprob in top_a.items():
-                diff = abs(logprob - top_b[token])
-                assert diff <= LOGPROB_TOL, f"prompt {i} step {step} token {token}: {diff:.2e}"
-                worst = max(worst, diff)
-    return worst
+        assert [set(s) for s in a["logprobs"]] == [set(s) for s in b["logprobs"]], f"prompt {i}"
 
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_dense_direct_generates_what_stock_vllm_generates(dense_runs, phase):
-    assert_same_generation(dense_runs["direct"][phase], dense_runs["off"][phase])
+    assert_dense_match(dense_runs["direct"][phase], dense_runs["off"][phase])
+    assert_same_top5(dense_runs["direct"][phase], dense_runs["off"][phase])
     assert dense_runs["direct"]["first"] != dense_runs["direct"]["reloaded"]
 
 
@@ -100,7 +95,7 @@ def test_reload_keeps_the_addresses(dense_runs, run):
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_sparse_direct_generates_what_the_bf16_pair_generates(sparse_runs, phase):
-    assert_same_generation(sparse_runs["direct"][phase], sparse_runs["bf16"][phase])
+    assert_sparse_match(sparse_runs["direct"][phase], sparse_runs["bf16"][phase])
 
 
 def test_sparse_direct_serves_every_absorption_of_every_step(sparse_runs):

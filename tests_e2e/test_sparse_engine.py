@@ -6,12 +6,12 @@ the indexer drops tokens; each then reloads a second checkpoint with the engine'
 ``reload_weights``. The reference is transformers' DeepseekV32 emulating vLLM's indexer
 quantization and KV-cache rounding (``dsa_reference``).
 
-Tolerance: top-5 log-probabilities within 5e-3 nats of the reference. Both are fp32 and
-make the same quantization decisions except where a value lands within an fp32 ulp of a
-rounding boundary: then one KV element differs by a bf16 ulp, or one index key by an e4m3
-step, which moves a log-probability by O(1e-3) (measured worst here: 1.0e-3). The faults
-this guards against are far larger: without the emulation (plain fp32 transformers) the
-first divergent token already differs by ~1 nat, and tokens change.
+Tolerance (``compare.SPARSE_LOGPROB_TOL``, its error model stated there): greedy tokens
+identical; top-5 log-probabilities within 2e-2 nats of the reference, their median within
+2.5e-3. Both sides are fp32 and make the same quantization decisions except where a value
+lands within fp32 noise of a rounding boundary, which another CPU's kernels (AVX2, AVX-512,
+AMX) can flip. The faults this guards against are far larger: without the emulation (plain
+fp32 transformers) the first divergent token already differs by ~1 nat, and tokens change.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import json
 import os
 
 import pytest
+from compare import SPARSE_LOGPROB_TOL, assert_sparse_match, compare
 from conftest import run_engine_jobs
 from dsa_reference import reference
 from engine_job import MAX_TOKENS, SPARSE_BACKEND, SPARSE_PROMPTS
 
-LOGPROB_TOL = 5e-3
 KV_DTYPES = {"bfloat16": "bf16", "fp8": "fp8_ds_mla"}  # requested -> record format served
 PHASES = {"first": "first", "reloaded": "second"}
 
@@ -50,19 +50,6 @@ def sparse_reference(sparse_models, sparse_engine) -> dict:
     return out
 
 
-def diff_to(got: list[dict], want: list[dict]) -> tuple[bool, float]:
-    """(greedy tokens identical, worst top-5 log-probability difference where they agree)."""
-    same, worst = True, 0.0
-    for ours, ref in zip(got, want, strict=True):
-        same &= ours["token_ids"] == ref["token_ids"]
-        for step, top in enumerate(ours["logprobs"]):
-            if ours["token_ids"][:step] != ref["token_ids"][:step]:
-                break
-            for token, logprob in top.items():
-                worst = max(worst, abs(logprob - ref["logprobs"][step][int(token)].item()))
-    return same, worst
-
-
 def test_a_prompt_is_longer_than_top_k(sparse_models, sparse_engine):
     config = json.loads((sparse_models["first"] / "config.json").read_text())
     lengths = [len(r["prompt_token_ids"]) for r in sparse_engine["bfloat16"]["first"]]
@@ -75,15 +62,13 @@ def test_a_prompt_is_longer_than_top_k(sparse_models, sparse_engine):
 def test_greedy_tokens_and_logprobs_match_the_emulating_reference(
     sparse_engine, sparse_reference, kv, phase
 ):
-    same, worst = diff_to(sparse_engine[kv][phase], sparse_reference[kv, phase])
-    assert same, f"{kv} {phase}: greedy tokens differ from the reference"
-    assert worst <= LOGPROB_TOL, f"{kv} {phase}: logprob difference {worst:.2e}"
+    assert_sparse_match(sparse_engine[kv][phase], sparse_reference[kv, phase])
 
 
 def test_the_emulation_is_what_makes_them_match(sparse_engine, sparse_reference):
     """Plain fp32 transformers (no indexer quantization, no KV rounding) does diverge."""
-    same, worst = diff_to(sparse_engine["bfloat16"]["first"], sparse_reference["plain"])
-    assert not same or worst > 20 * LOGPROB_TOL
+    c = compare(sparse_engine["bfloat16"]["first"], sparse_reference["plain"])
+    assert not c.same_tokens or c.worst > 20 * SPARSE_LOGPROB_TOL
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)

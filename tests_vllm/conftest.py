@@ -21,6 +21,7 @@ from vllm_layers import NOPE as P
 from vllm_layers import V_DIM as V
 from vllm_layers import Variant
 
+from vllm_mla import cpu_isa
 from vllm_mla.vllm import plugin
 
 __all__ = ["L", "N", "P", "V", "kv_b_proj", "mla_layer", "model_with", "reload_through_vllm"]
@@ -31,6 +32,35 @@ DEFAULT_VARIANTS = {
     "bf16": Variant("bf16", "unquantized"),
     "fp8-block": Variant("fp8-block", "fp8", "scaled_mm.cutlass.CutlassFp8BlockScaledMMKernel"),
 }
+
+
+def pytest_configure(config):
+    # VLLM_MLA_CPU_ISA is applied at interpreter start-up by the environment's .pth hook
+    # (scripts/setup.sh), before torch loads; here a bad value stops the run, named
+    cpu_isa.apply()
+    # Inductor's CPU kernels at 256-bit vectors at most. With 512-bit vectors torch 2.13 and
+    # 2.14 emit some loops as 8-lane masked loads followed by full 16-lane stores (seen on a
+    # 2-core AMD EPYC with AVX-512: heap corruption, "corrupted size vs. prev_size", wrong
+    # values), both in GPU-only helpers of vLLM's that the kv_b_proj matrix runs on CPU and
+    # compiles (the DeepGEMM form's ue8m0 requantization) and in the graphs compiled here.
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 256
+
+
+def pytest_report_header(config):
+    """The CPU vLLM runs on here: the ISA cap, the kernel library it loads."""
+    from vllm.platforms import current_platform
+
+    from vllm_mla.vllm import cpu_host
+
+    current_platform.import_kernels()
+    host = cpu_host.describe()
+    loaded = ", ".join(host["loaded_libraries"]) or "none (this vLLM build has no CPU kernels)"
+    return (
+        f"CPU: VLLM_MLA_CPU_ISA={host['isa']}; vLLM kernel library loaded: {loaded} "
+        f"(the features seen ask for {host['expected_library']}); AMX: {host['amx']}"
+    )
 
 
 def pytest_terminal_summary(terminalreporter):

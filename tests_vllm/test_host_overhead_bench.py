@@ -31,6 +31,10 @@ def test_host_overhead_runs_side_by_side(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     impls = report["impls"]
+    # the GPU's 64-row pages on every host, though vLLM's CPU platform picks 16 (or 128 with
+    # AMX) for MLA models: a host-dependent block size once left ours unbuilt off AMX
+    assert report["config"]["block_size"] == 64
+    assert impls["ours"]["built"], impls["ours"].get("reason")
     assert impls["ours"]["class"] == "vllm_mla.vllm.sparse.impl.B12XMLASparseImpl"
     assert impls["flashmla_sparse"]["class"].endswith("FlashMLASparseImpl")
     sm120 = impls["flashinfer_sm120"]

@@ -39,6 +39,11 @@ their fingerprint from the last (re)load (``vllm_mla.vllm.wake_check``).
 attention-backend slot to B12X_MLA_SPARSE at plugin load (otherwise the slot is claimed
 only when a config selects the backend by name).
 
+``VLLM_MLA_CPU_ISA`` (``native`` | ``avx512_bf16`` | ``avx512`` | ``avx2``, default
+``native``): a test-harness switch that hides x86 CPU features from torch, oneDNN and vLLM
+CPU, so one host runs what a host with fewer features runs (``vllm_mla.cpu_isa``; the test
+environments apply it at interpreter start-up).
+
 ``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
 CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
 
@@ -127,6 +132,14 @@ def wake_check_mode() -> str:
     if mode not in WAKE_CHECK_MODES:
         raise ValueError(f"VLLM_MLA_WAKE_CHECK must be one of {WAKE_CHECK_MODES}, got {mode!r}")
     return mode
+
+
+CPU_ISA_LEVELS = ("native", "avx512_bf16", "avx512", "avx2")
+
+
+def cpu_isa() -> str:
+    """``VLLM_MLA_CPU_ISA``, lower-cased; validated by ``vllm_mla.cpu_isa.apply``."""
+    return os.environ.get("VLLM_MLA_CPU_ISA", "native").strip().lower() or "native"
 
 
 def triton_interpret() -> bool:

@@ -1,0 +1,106 @@
+"""Make this process see fewer x86 CPU features than the host has (a test-harness switch).
+
+vLLM CPU decides by ``torch.cpu`` feature queries which kernel library it loads
+(``_C`` with AVX-512 BF16, ``_C_AVX512``, ``_C_AVX2``), which attention ISA it uses and,
+through AMX, the MLA block size (128 with AMX, else 16). torch and oneDNN pick their own
+kernels from ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``. ``VLLM_MLA_CPU_ISA`` caps
+all of them at once, so a developer on an AMX host runs what an AVX2-only host runs:
+
+========== ====================== =========================== ======================
+level      vLLM library           torch.cpu says               torch / oneDNN cap
+========== ====================== =========================== ======================
+avx2       ``_C_AVX2``            no AVX-512, no VNNI, no AMX  ``avx2`` / ``AVX2``
+avx512     ``_C_AVX512``          AVX-512, no BF16, no AMX     ``avx512`` / ``AVX512_CORE_VNNI``
+avx512_bf16 ``_C``                AVX-512 BF16, no AMX         ``avx512`` / ``AVX512_CORE_BF16``
+native     as the host            as the host                  unchanged
+========== ====================== =========================== ======================
+
+A level only hides features: on a host without AVX-512, ``avx512`` changes nothing that
+is not already so. ``apply()`` must run before vLLM imports its kernels; the test
+environments run it at interpreter start-up (a ``.pth`` file written by
+``scripts/setup.sh``), so vLLM's spawned workers see the same CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_mla import envs
+
+# what each level lets torch.cpu report (a feature the host lacks stays False)
+_VISIBLE = {
+    "avx2": frozenset({"avx2"}),
+    "avx512": frozenset({"avx2", "avx512", "vnni"}),
+    "avx512_bf16": frozenset({"avx2", "avx512", "vnni", "avx512_bf16"}),
+}
+_QUERIES = {
+    "avx2": "_is_avx2_supported",
+    "avx512": "_is_avx512_supported",
+    "vnni": "_is_vnni_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "amx": "_is_amx_tile_supported",
+    "amx_fp16": "_is_amx_fp16_supported",
+}
+_TORCH_CAP = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+_ONEDNN_CAP = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16"}
+
+_applied: str | None = None
+
+
+def apply(level: str | None = None) -> str:
+    """Cap this process's CPU features at ``level`` (default: ``VLLM_MLA_CPU_ISA``).
+
+    Sets ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` (only if the user has not) and
+    replaces the ``torch.cpu`` feature queries. Returns the level applied. Idempotent; a
+    second, different level in the same process is a ValueError (torch has already
+    chosen its kernels)."""
+    global _applied
+    level = envs.cpu_isa() if level is None else level
+    if level not in envs.CPU_ISA_LEVELS:
+        raise ValueError(f"VLLM_MLA_CPU_ISA must be one of {envs.CPU_ISA_LEVELS}, got {level!r}")
+    if _applied is not None:
+        if _applied != level:
+            raise ValueError(f"CPU ISA already capped at {_applied!r} in this process")
+        return level
+    _applied = level
+    if level == "native":
+        return level
+    # before torch is imported: both are read once, at first use
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", _TORCH_CAP[level])
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP[level])
+    import torch.cpu
+
+    visible = _VISIBLE[level]
+    for feature, name in _QUERIES.items():
+        original = getattr(torch.cpu, name, None)
+        if original is None:
+            continue
+        if feature in visible:
+            continue  # the host's own answer
+        setattr(torch.cpu, name, _hidden(name))
+    return level
+
+
+def _hidden(name: str):
+    def query() -> bool:
+        return False
+
+    query.__name__ = name
+    query.__doc__ = f"False: hidden by VLLM_MLA_CPU_ISA={_applied}"
+    return query
+
+
+def applied() -> str | None:
+    """The level this process was capped at, or None if ``apply`` never ran."""
+    return _applied
+
+
+def start_up() -> None:
+    """The ``.pth`` hook: apply the environment's level, do nothing when it is native.
+
+    Never raises: a bad value is reported when the suite starts (``apply()`` again)."""
+    try:
+        if envs.cpu_isa() != "native":
+            apply()
+    except ValueError:
+        pass
