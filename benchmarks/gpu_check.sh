@@ -1,6 +1,23 @@
 #!/usr/bin/env bash
 # GPU checks, in parts; each part fits one device call of 10 minutes (the device tool's
-# per-call limit), `all` does not: run `query` and `sparse` as separate calls.
+# per-call limit), `all` does not. Run `essential` first: it is the one part a single GPU
+# window (15 minutes of device time, start-up included) is sized for.
+#   essential (step timeouts in ESSENTIAL_STEPS below, sum 455 s < 8 minutes): the machine,
+#          the CUDA op built for sm_90 only, compute-sanitizer memcheck of the decode query
+#          ops on tensors ending at their own allocations, then benchmarks/essential.py one
+#          step per process: `query` (safe bmm on vLLM's strided view, absorbed bmm dense +
+#          MXFP8 views, fused query projection BF16/MXFP8 -> BF16/FP8, CUDA-graph replay,
+#          safe vs torch.bmm, direct vs BF16 pair, fused vs staged), `sparse` (sparse MLA
+#          decode T 1/32 + extend T 4096, both cache formats, LSE, graph replay, decode at
+#          GLM-5 TP4 vs the HBM bandwidth measured in the same run), `indexer` (insert,
+#          logits, top-k vs the oracle, graph replay, decode vs HBM). A failing or timed-out
+#          step never stops the next. Writes $OUT/essential.json (every figure, versions,
+#          commit), $OUT/essential.md (rows ready for benchmarks/RESULTS.md), essential.log,
+#          build.log and memcheck.log, and prints the results table. Without CUDA (or with
+#          VLLM_MLA_GPU_DRY=1) it runs dry: the same steps on CPU at tiny shapes (Triton
+#          interpreter), GPU-only parts skip with a message, rows say "not run".
+#          scripts/device_preflight.sh proves it imports and compiles under the GPU image's
+#          Python 3.12 / torch 2.11 / Triton 3.6 beforehand.
 #   query  (expected < 8 minutes on an H200; its step timeouts add up to 10 minutes):
 #          build the stable-ABI CUDA op, memcheck it, gate correctness, time with graph replay.
 #   sparse (step timeouts 240 + 120 s): benchmarks/sparse_mla.py (kernel correctness, graph
@@ -21,9 +38,10 @@
 #          graph reading the pair replayed after every cycle (addresses, values, ledger,
 #          allocated bytes), then 300 cycles of direct mode.
 # The machine step runs for every part.
-#   run through the device tool:  bash benchmarks/gpu_check.sh [query|sparse|all]  (default
-#                                 all; writes under $OUT)
+#   run through the device tool:  bash benchmarks/gpu_check.sh essential  (or another part;
+#                                 default all = query..soak; writes under $OUT)
 #   anywhere else:                OUT=/tmp/qp bash benchmarks/gpu_check.sh sparse
+#   dry run here (CPU):           OUT=/tmp/e VLLM_MLA_GPU_DRY=1 bash benchmarks/gpu_check.sh essential
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out}"
@@ -33,10 +51,77 @@ PY="${PYTHON:-python3}"
 step() { echo; echo "== $* ($(date +%T))"; }
 PART="${1:-all}"
 case "$PART" in
-  query|sparse|decode|indexer|soak|all) ;;
-  *) echo "usage: $0 [query|sparse|decode|indexer|soak|all]   (got '$PART')" >&2; exit 2 ;;
+  essential|query|sparse|decode|indexer|soak|all) ;;
+  *) echo "usage: $0 [essential|query|sparse|decode|indexer|soak|all]   (got '$PART')" >&2
+     exit 2 ;;
 esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
+
+# ---- essential: one window. Step timeouts (seconds); tests/test_gpu_check_dry.py sums them.
+ESSENTIAL_STEPS="machine:20 build:90 memcheck:60 query:110 sparse:100 indexer:60 report:15"
+t_of() { local kv; for kv in $ESSENTIAL_STEPS; do [ "${kv%%:*}" = "$1" ] && echo "${kv##*:}"; done; }
+EXITS=()
+timed() {  # name, command...: under the step's timeout; its exit code and seconds recorded
+  local name="$1" limit start rc; shift
+  limit="$(t_of "$name")"; start=$SECONDS
+  step "essential: $name (timeout ${limit} s)"
+  timeout --kill-after=5 "$limit" "$@"
+  rc=$?
+  EXITS+=(--step "$name=$rc:$((SECONDS - start))")
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "$name: TIMEOUT after ${limit} s"
+  echo "$name exit $rc ($((SECONDS - start)) s)"
+  return 0
+}
+skip() { echo "[$1] skipped: $2"; EXITS+=(--skip "$1=$2"); }
+
+essential() {
+  local dry="${VLLM_MLA_GPU_DRY:-}"
+  rm -f "$OUT/essential.json" "$OUT/essential.md"
+  timed machine "$PY" benchmarks/essential.py machine --out "$OUT"
+  if [ -z "$dry" ]; then  # the machine step decided (no CUDA device visible to torch: dry)
+    dry="$("$PY" -c "import json, sys; print(int(json.load(open(sys.argv[1]))['dry']))" \
+      "$OUT/essential.json" 2>/dev/null)" || dry=""
+    [ -n "$dry" ] || { nvidia-smi -L >/dev/null 2>&1 && dry=0 || dry=1; }
+  fi
+  [ "$dry" = 1 ] && echo "DRY RUN: plumbing only, no GPU figure (VLLM_MLA_GPU_DRY=1 or no CUDA)"
+  export VLLM_MLA_GPU_DRY="$dry"
+
+  if [ "$dry" = 1 ]; then
+    skip build "dry run: no GPU (scripts/device_preflight.sh compiles csrc/ for sm_90)"
+    skip memcheck "dry run: no GPU"
+  else
+    rm -f vllm_mla/_C*.so
+    timed build bash -c 'VLLM_MLA_CUDA_ARCHS=90 "$0" setup.py build_ext --inplace > "$1" 2>&1
+      rc=$?; [ $rc -eq 0 ] || tail -25 "$1"; exit $rc' "$PY" "$OUT/build.log"
+    if command -v compute-sanitizer >/dev/null; then
+      # No caching allocator: every tensor is its own cudaMalloc, so a read past a view
+      # that ends at its allocation's end is outside any allocation and reported.
+      timed memcheck bash -c 'PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
+        --tool memcheck --error-exitcode 3 "$0" benchmarks/memcheck_query_bmm.py > "$1" 2>&1
+        rc=$?; grep -E "ERROR SUMMARY|rel err|error" "$1" | tail -8; exit $rc' \
+        "$PY" "$OUT/memcheck.log"
+      # gVisor machines refuse the sanitizer ("Device not supported"): not a kernel failure
+      grep -q "Device not supported" "$OUT/memcheck.log" 2>/dev/null \
+        && skip memcheck "compute-sanitizer: Device not supported on this machine"
+    else
+      skip memcheck "compute-sanitizer not found"
+    fi
+  fi
+  local s
+  for s in query sparse indexer; do
+    timed "$s" "$PY" benchmarks/essential.py "$s" --out "$OUT"
+  done
+  timed report "$PY" benchmarks/essential.py report --out "$OUT" "${EXITS[@]}" \
+    --budget "$ESSENTIAL_STEPS"
+  "$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); sys.exit(0 if all(
+    s.get('status') in ('ok', 'dry', 'skipped') for s in r['steps'].values()) else 1)" \
+    "$OUT/essential.json"
+}
+
+if [ "$PART" = essential ]; then
+  essential 2>&1 | tee "$OUT/essential.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 step machine
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -56,7 +141,8 @@ build_op
 
 step "compute-sanitizer memcheck (tensors at the end of their allocations)"
 if command -v compute-sanitizer >/dev/null; then
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
+  # no caching allocator: each tensor is its own cudaMalloc, so its end is the allocation's
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$PY" benchmarks/memcheck_query_bmm.py > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|rel err|error" "$OUT/memcheck.log" | tail -12
 else

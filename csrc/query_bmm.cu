@@ -277,7 +277,9 @@ void safe_mla_query_bmm(Tensor query, Tensor weight, Tensor out) {
 
   const int32_t device = query.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
-#if TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
+// torch < 2.13's headers do not define TORCH_VERSION_2_13_0 (an undefined macro reads as 0 in
+// #if, which would pick the 2.13 branch): test that it exists first.
+#if defined(TORCH_VERSION_2_13_0) && TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
   const auto stream = static_cast<cudaStream_t>(
       torch::stable::accelerator::getCurrentStream(device).nativeHandle());
 #else
@@ -317,7 +319,7 @@ void safe_mla_query_bmm(Tensor query, Tensor weight, Tensor out) {
 }  // namespace vllm_mla
 
 STABLE_TORCH_LIBRARY_FRAGMENT(vllm_mla, m) {
-#if TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
+#if defined(TORCH_VERSION_2_13_0) && TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
   // The fake (meta) impl is registered from this Python module; torch checks the name.
   m.set_python_module("vllm_mla.ops.query_bmm");
 #endif

@@ -62,6 +62,14 @@ def compile_object(obj: Path, torch_version: str) -> Path:
     return obj
 
 
+# torch >= 2.13 targets the 2.13 stable ABI (the stream through torch_stream_native_handle);
+# older torch the 2.10 one (the stream from libtorch_cuda's aoti_torch_get_current_cuda_stream)
+TARGET_2_13 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+STREAM_SYMBOL = (
+    "torch_stream_native_handle" if TARGET_2_13 else "aoti_torch_get_current_cuda_stream"
+)
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
     return compile_object(tmp_path_factory.mktemp("csrc") / "query_bmm.o", torch.__version__)
@@ -106,7 +114,7 @@ def test_object_uses_only_the_stable_c_shim(compiled):
     leaks = [line for line in undefined.splitlines() if re.search(r"\b(at|c10|torch)::", line)]
     assert not leaks, f"non-stable libtorch C++ symbols: {leaks}"
     # The registration really went through the stable C API.
-    for symbol in ("torch_library_impl", "aoti_torch_library_def", "torch_stream_native_handle"):
+    for symbol in ("torch_library_impl", "aoti_torch_library_def", STREAM_SYMBOL):
         assert symbol in undefined
 
 
@@ -119,6 +127,8 @@ def test_cpp_registration_coexists_with_python_impls(compiled, tmp_path):
     cudart = cuda_home() / "lib64"
     link = ["g++", "-shared", "-o", str(lib_dir / "_C.abi3.so"), str(compiled)]
     link += [f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-L{cudart}", "-lcudart"]
+    if not TARGET_2_13:  # the 2.10 target's stream shim lives in libtorch_cuda
+        link += ["-ltorch_cuda"]
     link += [f"-Wl,-rpath,{cudart}"]
     linked = subprocess.run(link, capture_output=True, text=True, check=False)
     assert linked.returncode == 0, f"{' '.join(link)}\n{linked.stderr}"

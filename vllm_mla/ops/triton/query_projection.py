@@ -50,7 +50,8 @@ def _to_output(val, q_scale, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
         # Saturate explicitly: overflow behaviour of the cast is not Triton's contract.
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         return x.to(tl.float8e4nv)
-    return val
+    else:  # not a bare `return val`: Triton 3.6 types it too ("Inconsistent return types")
+        return val
 
 
 @triton.jit(do_not_specialize=["M", "s_qm", "s_qh", "s_wh", "s_wk", "s_sh", "s_sk"])
