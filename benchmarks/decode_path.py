@@ -4,8 +4,8 @@ Shapes: GLM-5 TP4 / TP8 and DeepSeek-V3 TP8 heads per rank, M tokens per step. M
 ``bmm`` (upstream: cuBLAS on the BF16 pair), ``safe`` (the pair routed through our op),
 ``direct`` (MXFP8 views of a kv_b_proj pack, Triton). Both absorptions (query: W_UK_T,
 V: W_UV) run through unmodified ``torch.bmm`` calls on the routed weights, exactly as
-vLLM writes them. Then the fused query projection (MXFP8 views, FP8 out) against
-staged bmm + cat + quant on the BF16 pair.
+vLLM writes them. Then the fused query projection (BF16 pair or MXFP8 views; BF16 or FP8
+query) against staged bmm + cat (+ quant) on the BF16 pair, M = 1..64.
 
 1. correctness gate: fresh inputs, poisoned strided outputs, every mode vs the fp32
    reference; CUDA-graph capture then replay on fresh inputs (fixed pointers);
@@ -53,6 +53,8 @@ SHAPES = {  # name: (heads per rank, P, V)
 }
 MS = (1, 4, 16, 32, 64)
 MODES = ("bmm", "safe", "direct")
+QUERY_WEIGHTS = {"bf16": "bmm", "mxfp8": "views"}  # weight format -> layer_weights key
+QUERY_OUTS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def layer_weights(h, p, v, device, gen):
@@ -157,7 +159,9 @@ def check_graph(m, shape, device, gen) -> dict:
     }
 
 
-def time_shape(m, shape, device, gen) -> dict:
+def time_shape(m, shape, device, gen, query=None) -> dict:
+    """Per-layer CUDA-graph replay times at ``m`` tokens; ``query``: the (weight format,
+    query dtype) pairs of the fused-vs-staged timing (default every one)."""
     h, p, v = SHAPES[shape]
     layers = [layer_weights(h, p, v, device, gen) for _ in range(LAYERS)]
     q, x = inputs(m, h, p, device, gen)
@@ -171,39 +175,40 @@ def time_shape(m, shape, device, gen) -> dict:
             )
             / LAYERS
         )
-    # fused query projection on the pack's views (FP8 out) vs staged on the BF16 pair
+    # fused query projection vs staged bmm + cat (+ quant), per weight format (the BF16 pair
+    # or the MXFP8 pack's views) and query dtype (BF16, or FP8 as before an FP8 KV cache);
+    # staged always reads the BF16 pair, as upstream does
     scale = torch.full((), 0.05, dtype=torch.float32, device=device)
-    out = torch.empty(m, h, L + R, dtype=torch.float8_e4m3fn, device=device)
-    prewarm(
-        [m],
-        num_heads=h,
-        nope_dim=p,
-        weight_format="mxfp8",
-        out_dtype=torch.float8_e4m3fn,
-        device=device,
-    )
     qn, qpe = q[..., :p], q[..., p:]
-    row["fused_query_us"] = (
-        common.graph_time_us(
-            lambda: [
-                mla_query_projection(qn, lw["views"]["W_UK_T"], qpe, out, q_scale=scale)
-                for lw in layers
-            ]
+    for fmt, out_name in query or [(f, o) for f in QUERY_WEIGHTS for o in QUERY_OUTS]:
+        key, out_dtype = QUERY_WEIGHTS[fmt], QUERY_OUTS[out_name]
+        out = torch.empty(m, h, L + R, dtype=out_dtype, device=device)
+        s = scale if out_dtype != torch.bfloat16 else None
+        prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
+        tag = f"{fmt}_{out_name}"
+        row[f"fused_query_{tag}_us"] = (
+            common.graph_time_us(
+                lambda key=key, out=out, s=s: [
+                    mla_query_projection(qn, lw[key]["W_UK_T"], qpe, out, q_scale=s)
+                    for lw in layers
+                ]
+            )
+            / LAYERS
         )
-        / LAYERS
-    )
-    row["staged_query_us"] = (
-        common.graph_time_us(
-            lambda: [
-                staged_query_projection(qn, lw["bmm"]["W_UK_T"], qpe, out, q_scale=scale)
-                for lw in layers
-            ]
+        row[f"staged_query_{out_name}_us"] = (
+            common.graph_time_us(
+                lambda out=out, s=s: [
+                    staged_query_projection(qn, lw["bmm"]["W_UK_T"], qpe, out, q_scale=s)
+                    for lw in layers
+                ]
+            )
+            / LAYERS
         )
-        / LAYERS
-    )
+        row[f"fused_speedup_{tag}"] = (
+            row[f"staged_query_{out_name}_us"] / row[f"fused_query_{tag}_us"]
+        )
     row["direct_vs_bmm"] = row["direct_us"] / row["bmm_us"]
     row["safe_vs_bmm"] = row["safe_us"] / row["bmm_us"]
-    row["fused_speedup"] = row["staged_query_us"] / row["fused_query_us"]
     return row
 
 

@@ -291,10 +291,11 @@ def time_safe_bmm(m: int, h: int, p: int, device, bandwidth: float) -> dict:
 
 def time_decode_path(m: int, shape: str, device, bandwidth: float) -> list[dict]:
     """decode_path.time_shape: direct (MXFP8 views) vs bmm on the BF16 pair (both
-    absorptions), and the fused query projection (MXFP8 views, FP8 out) vs staged."""
+    absorptions), and the fused query projection vs staged (MXFP8 views with FP8 out; BF16)."""
     import decode_path as dp
 
-    t = dp.time_shape(m, shape, device, torch.Generator().manual_seed(11))
+    pairs = (("mxfp8", "fp8"), ("bf16", "bf16"))  # decode_path.py times every pair
+    t = dp.time_shape(m, shape, device, torch.Generator().manual_seed(11), query=pairs)
     h, p, v = dp.SHAPES[shape]
     direct_bytes = h * (p + v) * dp.L * (1 + 1 / 32) + m * h * (p + dp.L + dp.L + v) * 2
     return [
@@ -308,14 +309,18 @@ def time_decode_path(m: int, shape: str, device, bandwidth: float) -> list[dict]
             "roofline_us": direct_bytes / bandwidth * 1e6,
             "ok": True,
         },
-        {
-            "op": "query projection: fused vs staged (MXFP8 views, e4m3 out)",
-            "ours_us": t["fused_query_us"],
-            "base_us": t["staged_query_us"],
-            "base": "bmm + cat + quant on the BF16 pair",
-            "ratio": 1 / t["fused_speedup"],
-            "ok": True,
-        },
+        *(
+            {
+                "op": f"query projection: fused vs staged ({label})",
+                "ours_us": t[f"fused_query_{tag}_us"],
+                "base_us": t[f"staged_query_{tag.split('_')[1]}_us"],
+                "base": "bmm + cat (+ quant) on the BF16 pair",
+                "ratio": 1 / t[f"fused_speedup_{tag}"],
+                "ok": True,
+            }
+            for tag, label in (("mxfp8_fp8", "MXFP8 views, e4m3 out"), ("bf16_bf16", "BF16"))
+            if f"fused_query_{tag}_us" in t
+        ),
     ]
 
 
@@ -464,6 +469,18 @@ def step_sparse(sec: Section, device) -> None:
         del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    # last (it compiles two more variants): decode context parallelism, the cache format
+    # DCP serves in production; sparse_mla.py checks both formats and N=4 as well
+    dcp = sm.DCP_GPU[0]
+    sec.graph(
+        "graph sparse_mla DCP LSE",
+        lambda: bounded(
+            sm.dcp_check("fp8_ds_mla", device, gen, rounds=2, **dcp),
+            sm.OUT_REL_ERR,
+            "per rank as eager; vLLM's LSE merge of the ranks vs DCP 1; no compile after capture",
+        ),
+        shape=f"fp8_ds_mla N{dcp['n']} I{dcp['interleave']} T32 H{dcp['h']} K2048",
+    )
 
 
 def _sparse_timing(fmt, t, cache, device, gen, bw) -> dict:

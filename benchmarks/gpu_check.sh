@@ -9,7 +9,8 @@
 #          MXFP8 views, fused query projection BF16/MXFP8 -> BF16/FP8, CUDA-graph replay,
 #          safe vs torch.bmm, direct vs BF16 pair, fused vs staged), `sparse` (sparse MLA
 #          decode T 1/32 + extend T 4096, both cache formats, LSE, graph replay, decode at
-#          GLM-5 TP4 vs the HBM bandwidth measured in the same run), `indexer` (insert,
+#          GLM-5 TP4 vs the HBM bandwidth measured in the same run, then DCP: per-rank LSE
+#          through the Triton kernel under graph replay, merged vs DCP 1), `indexer` (insert,
 #          logits, top-k vs the oracle, graph replay, decode vs HBM). A failing or timed-out
 #          step never stops the next. Writes $OUT/essential.json (every figure, versions,
 #          commit), $OUT/essential.md (rows ready for benchmarks/RESULTS.md), essential.log,
@@ -21,8 +22,9 @@
 #   query  (expected < 8 minutes on an H200; its step timeouts add up to 10 minutes):
 #          build the stable-ABI CUDA op, memcheck it, gate correctness, time with graph replay.
 #   sparse (step timeouts 240 + 120 s): benchmarks/sparse_mla.py (kernel correctness, graph
-#          replay, 10k soak, roofline), then benchmarks/sparse_ownership.py (allocator census
-#          around plan/prepare/bind/release and a KV-pool rebind, graph replay after freeze).
+#          replay, DCP LSE graph replay merged vs DCP 1, 10k soak, roofline), then
+#          benchmarks/sparse_ownership.py (allocator census around plan/prepare/bind/release
+#          and a KV-pool rebind, graph replay after freeze).
 #   decode (step timeouts 120 + 90 + 300 s): build the CUDA op, memcheck the decode
 #          absorptions in every mode (benchmarks/decode_path.py --memcheck), then
 #          benchmarks/decode_path.py: bmm (BF16 pair) vs safe vs direct (MXFP8 views) at GLM-5

@@ -47,6 +47,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks its plat
 
 import torch
 
+from vllm_mla.formats import FP8_DS_MLA_RECORD, HEAD_DIM, LATENT, PAGE_ROWS, ROPE
+
 IMPLS = ("ours", "flashmla_sparse", "flashinfer_sm120")
 UPSTREAM = {
     "flashmla_sparse": (
@@ -61,10 +63,9 @@ UPSTREAM = {
     ),
 }
 LAYER = "model.layers.0.self_attn.attn"
-KV_LORA, ROPE, NOPE, V_HEAD = 512, 64, 128, 128
-HEAD = KV_LORA + ROPE
-RECORD = 656  # fp8_ds_mla bytes per token
-PAGE_ROWS = 64  # KV-cache block size of every sparse-MLA backend on a GPU
+KV_LORA, NOPE, V_HEAD = LATENT, 128, 128
+HEAD = HEAD_DIM
+RECORD = FP8_DS_MLA_RECORD  # fp8_ds_mla bytes per token
 ALLOC_OPS = ("empty.memory_format", "empty_strided", "new_empty", "empty_like")
 HEAVY_BYTES = 256 << 10  # a census above this: the figure includes CPU data movement
 

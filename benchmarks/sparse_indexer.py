@@ -9,7 +9,10 @@
    (``near_ties``), any other difference fails.
 2. CUDA graphs: one decode step (T = 8, 32k) captured, replayed with new q / weights /
    lengths copied into the captured buffers; each replay must match the oracle.
-3. Decode speed: median CUDA-graph replay of ``index_topk`` (logits + top-k) at T in
+3. Speculative-decoding layouts: ``select`` of the portable indexer on native ``[B, 2]``,
+   ragged and flattened decode metadata (as vLLM's builder hands them under MTP), each
+   token vs the oracle on its own context, CUDA-graph replay on fresh queries.
+4. Decode speed: median CUDA-graph replay of ``index_topk`` (logits + top-k) at T in
    {1, 32, 64}, context 32k and 128k; index-key bytes read = sum of lengths x 132 over
    the copy bandwidth measured in the same run -> % roofline. Where vLLM's DeepGEMM
    indexer runs (Hopper, Blackwell), its decode (``fp8_fp4_paged_mqa_logits`` +
@@ -150,6 +153,114 @@ def vllm_decode(case: dict):
     return step, ""
 
 
+def layout_step(case: dict, layout: str, next_n: int):
+    """The decode metadata vLLM's indexer builder hands the indexer for ``case``'s T tokens
+    read as requests of ``next_n`` speculative tokens: ``native`` ([B, next_n] context
+    lengths), ``ragged`` (requires_padding: every other request one token short, packed)
+    or ``flat`` (one row per token, tables expanded). Returns (layer, metadata, the case
+    reduced to the tokens the layout holds, each with its own table row and length)."""
+    from types import SimpleNamespace
+
+    t = case["q"].shape[0]
+    requests = t // next_n
+    lens = torch.full((requests,), next_n, dtype=torch.int32)
+    if layout == "ragged":
+        lens[1::2] = next_n - 1
+    keep = torch.cat([torch.arange(r * next_n, r * next_n + int(d)) for r, d in enumerate(lens)])
+    # each request's keys: its first token's table; token i of d sees L - d + 1 + i keys
+    req_of = torch.repeat_interleave(torch.arange(requests), lens.long())
+    first = torch.cumsum(lens, 0) - lens
+    total = case["lengths"].cpu()[torch.arange(requests) * next_n].long()
+    per_token = total[req_of] - lens[req_of] + 1 + (torch.arange(len(keep)) - first[req_of])
+    device = case["q"].device
+    tables = case["tables"][(torch.arange(requests) * next_n).to(device)]
+    seq = (total[:, None] - next_n + 1 + torch.arange(next_n)).to(torch.int32).to(device)
+    if layout == "flat":
+        decode = SimpleNamespace(
+            requires_padding=False,
+            seq_lens=per_token.to(torch.int32).to(device),
+            block_table=tables[req_of.to(device)],
+            decode_lens=torch.ones(len(keep), dtype=torch.int32, device=device),
+        )
+    else:
+        decode = SimpleNamespace(
+            requires_padding=layout == "ragged",
+            seq_lens=seq,
+            block_table=tables,
+            decode_lens=lens.to(device),
+        )
+    meta = SimpleNamespace(
+        num_decodes=requests,
+        num_decode_tokens=len(keep),
+        decode=decode,
+        num_prefills=0,
+        prefill=None,
+        max_seq_len=int(total.max()),
+        slot_mapping=torch.full((len(keep),), -1, dtype=torch.int64, device=device),
+    )
+    layer = SimpleNamespace(
+        k_cache=SimpleNamespace(kv_cache=case["cache"]),
+        scale_fmt="ue8m0",
+        topk_tokens=case["topk"],
+        topk_indices_buffer=torch.full(
+            (len(keep) + 1, case["topk"]), -7, dtype=torch.int32, device=device
+        ),
+    )
+    keep_d = keep.to(device)
+    reduced = {
+        **case,
+        "q": case["q"][keep_d],
+        "weights": case["weights"][keep_d],
+        "tables": tables[req_of.to(device)],
+        "lengths": per_token.to(torch.int32).to(device),
+    }
+    return layer, meta, reduced
+
+
+def decode_layouts(case: dict, graphs: bool) -> list[dict]:
+    """The portable indexer's ``select`` (Triton kernels) on every decode layout vLLM's
+    builder produces under speculative decoding (MTP): native next_n 2, ragged next_n 2,
+    flattened next_n 4; each token's selection vs the oracle on its own context. With
+    ``graphs``: ``select`` captured once per layout and replayed on fresh queries."""
+    from vllm_mla.vllm.sparse import indexer
+
+    rows = []
+    for layout, next_n in (("native", 2), ("ragged", 2), ("flat", 4)):
+        layer, meta, reduced = layout_step(case, layout, next_n)
+        t = reduced["q"].shape[0]
+        hidden = torch.empty(t, 1, device=reduced["q"].device)  # only its length is read
+
+        def step(layer=layer, meta=meta, reduced=reduced, hidden=hidden):
+            return indexer.select(
+                layer,
+                hidden,
+                reduced["q"],
+                None,
+                reduced["weights"],
+                meta,
+                tk,
+                max_decode_len=reduced["context"],
+            )
+
+        got = step()[:t].clone()
+        row = {"layout": layout, "next_n": next_n, "T": t, **compare(reduced, got)}
+        if graphs:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            fresh = (torch.randn_like(reduced["q"].float()) * 2).to(reduced["q"].dtype)
+            reduced["q"].copy_(fresh)
+            graph.replay()
+            torch.cuda.synchronize()
+            replay = compare(reduced, layer.topk_indices_buffer[:t].clone())
+            row["graph_replay_ok"] = replay["ok"]
+            row["ok"] = row["ok"] and replay["ok"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
@@ -165,6 +276,8 @@ def main() -> int:
             case = make_case(t, heads, context, device, gen, topk=64)
             row = {"T": t, "H": heads, "context": context, **compare(case, ours(case))}
             report["checks"].append(row)
+        case = make_case(8, 4, 150, device, gen, topk=32)
+        report["layouts"] = decode_layouts(case, graphs=False)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --smoke", file=sys.stderr)
@@ -197,6 +310,8 @@ def main() -> int:
             torch.cuda.synchronize()
             report["graph"].append({"replay": seed, **compare(case, out.clone())})
         print(report["graph"], flush=True)
+        # speculative-decoding (MTP) decode layouts, GLM-5 TP4-like: 32 index heads
+        report["layouts"] = decode_layouts(make_case(32, 32, 16384, device, gen), graphs=True)
         for context in (32768, 131072):
             for t in (1, 32, 64):
                 case = make_case(t, 64, context, device, gen)
@@ -213,7 +328,8 @@ def main() -> int:
                 report["timing"].append(row)
                 print(row, flush=True)
     report["seconds"] = time.perf_counter() - started
-    report["ok"] = all(c["ok"] for c in report["checks"] + report["graph"])
+    checked = report["checks"] + report["graph"] + report.get("layouts", [])
+    report["ok"] = all(c["ok"] for c in checked)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print("PASS" if report["ok"] else "FAIL", f"({report['seconds']:.1f} s)")
     return 0 if report["ok"] else 1

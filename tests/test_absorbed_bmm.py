@@ -105,12 +105,22 @@ def test_torch_path_is_the_reference_bit_for_bit(monkeypatch, dtype):
     assert torch.equal(absorbed_bmm(a, weight), reference(a, weight))
 
 
-def test_triton_and_torch_paths_agree_exactly_in_fp32(monkeypatch):
-    # fp32 products of e4m3 x 2**k and fp32 inputs are exact; only the sum order differs
+def test_triton_and_torch_paths_agree_in_fp32(monkeypatch):
+    """Both paths on the same MXFP8 weight, each checked to be the path it claims (the
+    call counts), against each other: fp32 products of e4m3 x 2**k and fp32 inputs are
+    exact, so the two differ only by their fp32 sum orders (``assert_close_to_reference``'s
+    bound, with the torch path standing in for the reference it equals bit for bit)."""
     weight = weight_of("W_UK_T", "mxfp8", 2, 64, torch.float32)
     a = activation("W_UK_T", 2, 3, 64, torch.float32)
-    got = absorbed_bmm(a, weight)
-    assert_close_to_reference(got, a, weight)
+    runs = {}
+    for interpret, path in (("1", "triton"), ("0", "torch-mxfp8")):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        ab.reset_calls()
+        runs[path] = absorbed_bmm(a, weight, role="W_UK_T")
+        assert ab.calls() == {f"{path}:W_UK_T": 1}
+    assert torch.equal(runs["torch-mxfp8"], reference(a, weight))
+    assert_close_to_reference(runs["triton"], a, weight)
+    assert not torch.equal(runs["triton"], torch.zeros_like(runs["triton"]))
 
 
 @pytest.mark.parametrize("path_env", ["1", "0"])

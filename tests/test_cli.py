@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from vllm_mla import qualify as qualify_mod
 from vllm_mla.cli import main
 from vllm_mla.geometry import preset
-from vllm_mla.weights.layer import checkpoint_tensors, synthetic_weight
+from vllm_mla.weights.standins import checkpoint_tensors, synthetic_weight
 
 SIDE_KEYS = {
     "absorbed_bytes": int,

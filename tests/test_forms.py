@@ -1,7 +1,7 @@
 """The kv_b_proj matrix in the core: detection, readers, release and faults for every row.
 
 The vLLM classes themselves are exercised in ``tests_vllm/test_kv_b_forms.py``; here the
-rows are vllm-mla's own stand-in layers (``weights.layer``), plus modules carrying vLLM's
+rows are vllm-mla's own stand-in layers (``weights.standins``), plus modules carrying vLLM's
 class *names* to check detection rules without vLLM.
 """
 
@@ -14,8 +14,8 @@ from torch import nn
 from vllm_mla.quant import fp8_block
 from vllm_mla.weights import LifecycleConfig, PostLoadError, faults, forms, post_load
 from vllm_mla.weights.forms import FORM_NAMES, FORMS
-from vllm_mla.weights.layer import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights.sources import module_tensors
+from vllm_mla.weights.standins import build_layer, source_tensors, synthetic_weight
 
 RELEASE = LifecycleConfig(release_source=True, dense_mha_prefill=False)
 
@@ -233,10 +233,10 @@ def test_the_seam_costs_nothing_when_unused_and_refuses_nesting():
     assert faults._injector is None
 
 
-def test_the_readme_shows_the_matrix_the_code_dispatches_on():
+def test_the_docs_show_the_matrix_the_code_dispatches_on():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "absorbed-weights.md").read_text()
     begin = readme.index("<!-- kv_b_proj matrix: begin")
     shown = readme[readme.index("\n", begin) + 1 : readme.index("<!-- kv_b_proj matrix: end")]
     assert shown.strip() == forms.matrix_markdown()

@@ -12,6 +12,11 @@ def test_sparse_indexer_bench_smoke(tmp_path):
     report = run_smoke("sparse_indexer.py", tmp_path / "sparse_indexer.json")
     assert report["ok"] and len(report["checks"]) == 2
     assert all(c["errors"] == 0 for c in report["checks"])
+    # the speculative-decoding layouts: native / ragged next_n 2 and flattened next_n 4
+    layouts = {(r["layout"], r["next_n"]): r for r in report["layouts"]}
+    assert set(layouts) == {("native", 2), ("ragged", 2), ("flat", 4)}
+    assert layouts["ragged", 2]["T"] == 6 and layouts["native", 2]["T"] == 8
+    assert all(r["ok"] and r["errors"] == 0 for r in layouts.values())
 
 
 def test_the_comparison_counts_a_wrong_selection_as_an_error():

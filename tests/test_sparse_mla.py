@@ -331,10 +331,6 @@ def good_args(t=2, h=2, k=8, fmt="bf16"):
     }
 
 
-def _f8_cache():
-    return torch.zeros(2, 8, 656, dtype=torch.uint8)
-
-
 @pytest.mark.parametrize(
     ("change", "exc", "match"),
     [
@@ -575,17 +571,18 @@ ALIGNED = {"s_bt", "H", "block_size", "s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s
            "s_o_t", "s_o_h"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 report = []
-for arch, fmt, direct, heads in json.loads(sys.argv[1]):
+for arch, fmt, direct, heads, *dcp in json.loads(sys.argv[1]):
     fp8 = fmt == "fp8_ds_mla"
     bh = k.block_h(heads)
     sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16",
            "idx_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if direct else "*u8",
            "lse_ptr": "*fp32" if direct else "*u8", "l_ptr": "*bf16" if direct else "*u8",
            "err_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "s_bt": "i32",
-           "bt_width": "i32", **{n: "i32" for n in INTS},
+           "bt_width": "i32", "dcp_period": "i32", "dcp_start": "i32", "dcp_interleave": "i32",
+           **{n: "i32" for n in INTS},
            "qk_scale": "fp32", **{n: "i32" for n in STRIDES}}
     const = dict(FP8=fp8, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True, HAS_ERR=True,
-                 LOGICAL=True,
+                 LOGICAL=True, DCP=bool(dcp and dcp[0]),
                  BLOCK_H=bh, BLOCK_K=k.BLOCK_K, INTERPRET=False)
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -602,7 +599,7 @@ for arch, fmt, direct, heads in json.loads(sys.argv[1]):
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
                                    capture_output=True, text=True).stdout
     report.append({"arch": arch, "fmt": fmt, "direct": direct, "block_h": bh,
-                   "stages": stages, "shared": ck.metadata.shared,
+                   "dcp": const["DCP"], "stages": stages, "shared": ck.metadata.shared,
                    "usage": usage})
 print(json.dumps(report))
 """
@@ -612,7 +609,7 @@ def test_kernel_compiles_for_gpu_targets():
     """Lower the split kernel to cubin for sm80/89/90/120 at both head tiles the launcher
     uses (H=16 -> 16 heads per program, H=128 -> 32) with Triton's bundled ptxas (no GPU
     needed): it compiles, fits the 99 KiB shared-memory limit (SM12x, SM89) and does not
-    spill."""
+    spill; also its DCP variant (the logical top-k filtered to this rank's shard)."""
 
     pytest.importorskip("triton.backends.nvidia")
     cases = [[90, "fp8_ds_mla", False, 16], [120, "fp8_ds_mla", True, 16]]
@@ -620,7 +617,11 @@ def test_kernel_compiles_for_gpu_targets():
     cases += [[90, "fp8_ds_mla", False, 128], [120, "fp8_ds_mla", True, 64]]
     cases += [[80, "fp8_ds_mla", False, 128], [89, "fp8_ds_mla", True, 128]]
     cases += [[90, "bf16", False, 128], [120, "bf16", False, 64], [89, "bf16", True, 64]]
-    report = compile_report(AOT_SCRIPT, cases)
+    dcp = [[90, "fp8_ds_mla", False, 16, 1], [120, "fp8_ds_mla", True, 16, 1]]
+    dcp += [[90, "fp8_ds_mla", False, 128, 1], [120, "fp8_ds_mla", True, 64, 1]]
+    dcp += [[80, "bf16", True, 16, 1], [89, "fp8_ds_mla", True, 128, 1]]
+    report = compile_report(AOT_SCRIPT, cases + dcp)
+    assert [r["dcp"] for r in report] == [False] * len(cases) + [True] * len(dcp)
     assert {r["block_h"] for r in report} == {16, 32}
     assert_fits(report)
 

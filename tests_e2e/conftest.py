@@ -122,6 +122,27 @@ def run_engine_jobs(
     return reports
 
 
+KV_DTYPES = {"bfloat16": "bf16", "fp8": "fp8_ds_mla"}  # requested -> record format served
+# the bfloat16 sparse engines also force safe mode: every bmm of the pair through our op
+SPARSE_ENV = {"bfloat16": {"VLLM_MLA_SAFE_BMM": "always"}, "fp8": {"VLLM_MLA_SAFE_BMM": "never"}}
+
+
+def sparse_jobs(models: dict[str, Path], engine: dict | None = None) -> dict:
+    """One B12X_MLA_SPARSE engine job per KV dtype on ``models`` (first, then reload)."""
+    args = [str(models["first"]), str(models["second"])]
+    extra = ["--engine", json.dumps(engine)] if engine else []
+    return {
+        kv: ([*args, "--sparse", kv, *extra], {"VLLM_MLA": "1", **SPARSE_ENV[kv]})
+        for kv in KV_DTYPES
+    }
+
+
+@pytest.fixture(scope="session")
+def sparse_engine(sparse_models, tmp_path_factory) -> dict[str, dict]:
+    """{"bfloat16"|"fp8": the tiny DSA model through B12X_MLA_SPARSE, TP 1}."""
+    return run_engine_jobs(sparse_jobs(sparse_models), tmp_path_factory.mktemp("sparse-engine"))
+
+
 @pytest.fixture(scope="session")
 def engine(models, tmp_path_factory) -> dict[str, dict]:
     """{"off"|"on": the engine job's report}; both engines run side by side."""

@@ -1,14 +1,18 @@
 """One vLLM engine run, as its own process: generate, read the plugin's record, reload.
 
 Usage: python engine_job.py MODEL RELOAD_MODEL OUT.json [--sparse KV_CACHE_DTYPE]
-[--cpu-mxfp8]. The
-plugin is on or off by the environment (``VLLM_MLA``); vLLM runs in this one process (no
-engine-core subprocess), fp32, eager, with the CPU rotary workaround and explicit KV
-bytes. ``--sparse`` serves a DSA model through B12X_MLA_SPARSE (named in the Python API
-after ``vllm_mla.register()``) with that KV cache dtype, on 64-row pages. ``--cpu-mxfp8``
+[--cpu-mxfp8] [--engine JSON] [--max-tokens N]. The plugin is on or off by the
+environment (``VLLM_MLA``); the engine core runs in this process (no engine-core
+subprocess), fp32, eager, with the CPU rotary workaround and explicit KV bytes.
+``--sparse`` serves a DSA model through B12X_MLA_SPARSE (named in the Python API after
+``vllm_mla.register()``) with that KV cache dtype, on 64-row pages. ``--cpu-mxfp8``
 registers vLLM's emulation MXFP8 kernel for the CPU platform in this process (what the
 plugin's ``cpu-mxfp8`` feature does), so an MXFP8 checkpoint loads with the plugin off.
-Everything read from the engine goes through ``LLM.apply_model`` / ``collective_rpc``.
+``--engine`` adds engine arguments (e.g. ``{"tensor_parallel_size": 2}``: then the
+workers are processes of their own, one CPU core each, and every state below is read from
+every rank; ``speculative_config``: the report gains the engine's speculative-decoding
+counters and the draft model's state). Everything read from the engine goes through
+``LLM.apply_model`` / ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import os
 import sys
 import time
+
+from vllm_mla.formats import SPARSE_BACKEND
 
 PROMPTS = [
     "Brai stou dra",
@@ -32,11 +38,10 @@ SPARSE_PROMPTS = [
 ]
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
-SPARSE_BACKEND = "B12X_MLA_SPARSE"
 
 
 def engine_kwargs(model: str, sparse_kv_dtype: str | None = None) -> dict:
-    """The settings every e2e engine uses (see REFERENCE section 8 for why)."""
+    """The settings every e2e engine uses (the why beside each)."""
     if sparse_kv_dtype is not None:
         return {
             **engine_kwargs(model),
@@ -62,10 +67,10 @@ def engine_kwargs(model: str, sparse_kv_dtype: str | None = None) -> dict:
     }
 
 
-def _generate(llm, prompts: list[str]) -> list[dict]:
+def _generate(llm, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[dict]:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS)
     results = []
     for request in llm.generate(prompts, params, use_tqdm=False):
         out = request.outputs[0]
@@ -96,6 +101,29 @@ def _pair_pointers(model) -> dict[str, list[int]]:
     }
 
 
+def _pair_shapes(model) -> dict[str, list[list[int]]]:
+    return {
+        name: [list(m.W_UK_T.shape), list(m.W_UV.shape)]
+        for name, m in model.named_modules()
+        if hasattr(m, "W_UK_T") and hasattr(m, "kv_b_proj")
+    }
+
+
+def _draft_state(worker) -> dict | None:
+    """Read inside a worker (``collective_rpc``): the speculative draft model's MLA layers
+    (an MTP layer is one), or None without a draft model."""
+    from vllm_mla.vllm import telemetry
+
+    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    if model is None:
+        return None
+    return {
+        "ledger": telemetry.ledger_by_layer(model),
+        "pair_shapes": _pair_shapes(model),
+        "pointers": _pair_pointers(model),
+    }
+
+
 def _engine_state(model) -> dict:
     """Read inside the worker: the plugin's record, pair addresses, the ledger."""
     from vllm_mla.vllm import cpu_host, plugin, telemetry
@@ -106,6 +134,7 @@ def _engine_state(model) -> dict:
         "telemetry": telemetry.snapshot(),
         "plugin": plugin.registered(),
         "pointers": _pair_pointers(model),
+        "pair_shapes": _pair_shapes(model),
         "ledger": telemetry.ledger_by_layer(model),
         "backend": first.attn_backend.get_name(),
         "kv_b_dtype": str(first.kv_b_proj.weight.dtype),
@@ -132,12 +161,28 @@ def register_cpu_mxfp8() -> None:
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
 
 
+def spec_decode_counters(llm) -> dict[str, float]:
+    """The engine's speculative-decoding counters (drafts, draft tokens, accepted)."""
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            counters[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
+    return counters
+
+
+def _states(llm) -> list[dict]:
+    """``_engine_state`` of every rank, rank order."""
+    return list(llm.apply_model(_engine_state))
+
+
 def main(
     model: str,
     reload_model: str,
     out_path: str,
     sparse_kv_dtype: str | None = None,
     cpu_mxfp8: bool = False,
+    engine: dict | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> None:
     from vllm import LLM
 
@@ -149,28 +194,60 @@ def main(
         import vllm_mla
 
         vllm_mla.register()  # the Python API validates the backend name before plugins load
+    kwargs = {**engine_kwargs(model, sparse_kv_dtype), **(engine or {})}
+    if "speculative_config" in kwargs:
+        kwargs.setdefault("disable_log_stats", False)  # the acceptance counters
     timings = {}
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(model, sparse_kv_dtype))
+    llm = LLM(**kwargs)
     timings["load_s"] = time.perf_counter() - start
-    report = {"pid": os.getpid(), "vllm_mla_env": os.environ.get("VLLM_MLA")}
+    report = {"pid": os.getpid(), "vllm_mla_env": os.environ.get("VLLM_MLA"), "engine": engine}
     t = time.perf_counter()
-    report["first"] = _generate(llm, prompts)
+    report["first"] = _generate(llm, prompts, max_tokens)
     timings["generate_s"] = time.perf_counter() - t
-    (report["state_first"],) = llm.apply_model(_engine_state)
+    report["states_first"] = _states(llm)
+    if "speculative_config" in kwargs:
+        report["spec_decode_first"] = spec_decode_counters(llm)
+        report["drafts_first"] = llm.collective_rpc(_draft_state)
     t = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": reload_model})
     timings["reload_s"] = time.perf_counter() - t
-    report["reloaded"] = _generate(llm, prompts)
-    (report["state_reloaded"],) = llm.apply_model(_engine_state)
+    report["reloaded"] = _generate(llm, prompts, max_tokens)
+    report["states_reloaded"] = _states(llm)
+    if "speculative_config" in kwargs:
+        report["drafts_reloaded"] = llm.collective_rpc(_draft_state)
+    report["state_first"] = report["states_first"][0]
+    report["state_reloaded"] = report["states_reloaded"][0]
     timings["total_s"] = time.perf_counter() - start
     report["timings"] = timings
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
 
 
+def multi_process_settings(engine: dict) -> None:
+    """What vLLM CPU needs for workers of their own (tensor / context parallel): one core
+    per rank (a one-NUMA-node host has "not enough allowed NUMA nodes" otherwise) and
+    ``apply_model``'s function shipped to them by reference."""
+    ranks = int(engine.get("tensor_parallel_size", 1)) * int(
+        engine.get("pipeline_parallel_size", 1)
+    )
+    if ranks > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        engine.setdefault("distributed_executor_backend", "mp")
+
+
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
     args = sys.argv[1:]
     sparse = args[args.index("--sparse") + 1] if "--sparse" in args else None
-    main(*args[:3], sparse_kv_dtype=sparse, cpu_mxfp8="--cpu-mxfp8" in args)
+    engine = json.loads(args[args.index("--engine") + 1]) if "--engine" in args else {}
+    tokens = int(args[args.index("--max-tokens") + 1]) if "--max-tokens" in args else MAX_TOKENS
+    multi_process_settings(engine)
+    main(
+        *args[:3],
+        sparse_kv_dtype=sparse,
+        cpu_mxfp8="--cpu-mxfp8" in args,
+        engine=engine,
+        max_tokens=tokens,
+    )

@@ -21,21 +21,11 @@ import os
 
 import pytest
 from compare import SPARSE_LOGPROB_TOL, assert_sparse_match, compare
-from conftest import run_engine_jobs
+from conftest import KV_DTYPES
 from dsa_reference import reference
 from engine_job import MAX_TOKENS, SPARSE_BACKEND, SPARSE_PROMPTS
 
-KV_DTYPES = {"bfloat16": "bf16", "fp8": "fp8_ds_mla"}  # requested -> record format served
 PHASES = {"first": "first", "reloaded": "second"}
-
-
-@pytest.fixture(scope="session")
-def sparse_engine(sparse_models, tmp_path_factory) -> dict[str, dict]:
-    args = [str(sparse_models["first"]), str(sparse_models["second"])]
-    # the bfloat16 engine also forces safe mode: every bmm of the pair through our op
-    env = {"bfloat16": {"VLLM_MLA_SAFE_BMM": "always"}, "fp8": {"VLLM_MLA_SAFE_BMM": "never"}}
-    jobs = {kv: ([*args, "--sparse", kv], {"VLLM_MLA": "1", **env[kv]}) for kv in KV_DTYPES}
-    return run_engine_jobs(jobs, tmp_path_factory.mktemp("sparse-engine"))
 
 
 @pytest.fixture(scope="session")

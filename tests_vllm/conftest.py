@@ -79,6 +79,16 @@ def registered(monkeypatch):
     plugin.reset()
 
 
+@pytest.fixture
+def no_default_quant_scales(monkeypatch):
+    """vLLM's ``set_default_quant_scales`` stubbed: the layers here are built without
+    vLLM's attention quant scales (as vLLM's own CPU post-load test builds them), and its
+    defaulting needs a real vllm_config (vLLM's test stubs it too)."""
+    from vllm.model_executor.layers.attention import mla_attention
+
+    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_patches():
     yield

@@ -33,9 +33,7 @@ NOT_DIRECT = [v for v in VARIANTS if form(v.form).decode not in DIRECT_DECODES]
 PAIR = ("W_UK_T", "W_UV")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_default_scales(monkeypatch):
-    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+pytestmark = pytest.mark.usefixtures("no_default_quant_scales")
 
 
 def upstream_pair(variant, seed=0):

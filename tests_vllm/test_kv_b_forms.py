@@ -31,13 +31,10 @@ from vllm_mla.weights.sources import holds_weights
 STOCK = mla_attention.MLAAttention.process_weights_after_loading
 VARIANTS = installed()
 SPARSE = "B12X_MLA_SPARSE"
-pytestmark = pytest.mark.parametrize("variant", VARIANTS, ids=[v.id for v in VARIANTS])
-
-
-@pytest.fixture(autouse=True)
-def _quiet_default_scales(monkeypatch):
-    # vLLM's own CPU test stubs this too: it needs a real vllm_config.
-    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+pytestmark = [
+    pytest.mark.parametrize("variant", VARIANTS, ids=[v.id for v in VARIANTS]),
+    pytest.mark.usefixtures("no_default_quant_scales"),
+]
 
 
 @pytest.fixture

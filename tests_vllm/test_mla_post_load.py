@@ -13,10 +13,7 @@ from vllm_mla.weights import ReleaseRefusedError
 STOCK = mla_attention.MLAAttention.process_weights_after_loading
 
 
-@pytest.fixture(autouse=True)
-def _quiet_default_scales(monkeypatch):
-    # vLLM's own CPU test stubs this too: it needs a real vllm_config.
-    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+pytestmark = pytest.mark.usefixtures("no_default_quant_scales")
 
 
 def pair(layer):

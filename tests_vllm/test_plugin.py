@@ -31,7 +31,8 @@ def test_register_patches_the_lifecycle_target(registered):
     assert {k: v for k, v in registered.items() if not k.startswith("sparse")} == {
         "lifecycle": "applied MLAAttention.process_weights_after_loading, "
         "_copy_and_restore_kernel_tensors",
-        "query": "applied MLAAttention._v_up_proj",
+        "query": "applied MLAAttention._v_up_proj; fused query projection "
+        "(_DecodeConcatQuantFP8.register_oot, forward_mqa wrap; VLLM_MLA_QUERY=auto)",
         "cpu-mxfp8": "registered EmulationMxfp8LinearKernel for CPU (register_linear_kernel)",
         "wake-check": "applied Worker.sleep, Worker.wake_up, Worker.execute_model",
     }
@@ -153,17 +154,67 @@ def test_classmethod_targets_stay_classmethods_and_revert(registered):
     assert isinstance(stock, classmethod) and not hasattr(stock.__func__, patches.MARK)
 
 
+def _words(text: str) -> str:
+    """Prose compared as words: no backticks, whitespace collapsed, no final period."""
+    return " ".join(text.replace("``", "").split()).rstrip(".")
+
+
+def _registry_entries() -> dict[str, dict[str, str]]:
+    """The registry docstring's entries: {name: {"head", "target", "why", "removal"}}."""
+    entries = {}
+    for block in patches.__doc__.split("\n\n")[1:]:
+        lines = block.strip().splitlines()
+        if not lines or not lines[0].startswith("``"):
+            continue
+        name = lines[0].split("``")[1]
+        fields, key = {"head": lines[0]}, None
+        for line in lines[1:]:
+            label = line.strip().split(":", 1)[0]
+            if label in ("target", "why", "how", "removal"):
+                key, line = label, line.split(":", 1)[1]
+            fields[key] = fields.get(key, "") + " " + line
+        entries[name] = {k: _words(v) for k, v in fields.items()}
+        entries[name]["target"] = entries[name]["target"].replace(" ", "")  # one dotted name
+    return entries
+
+
+def _module_doc(name: str) -> dict[str, str]:
+    """A patch module's docstring fields: lines ``Target:``, ``Why:``, ``How:``,
+    ``Removal:``, each running to the next label or blank line."""
+    folder = Path(patches.__file__).parent
+    doc = (folder / f"{name}.py").read_text().split('"""')[1]
+    fields, key = {}, None
+    for line in doc.splitlines():
+        label = line.split(":", 1)[0]
+        if label in ("Target", "Why", "How", "Removal"):
+            key, line = label, line.split(":", 1)[1]
+        elif not line.strip():
+            key = None
+        if key is not None:
+            fields[key] = fields.get(key, "") + " " + line
+    return {k: _words(v) for k, v in fields.items()}
+
+
 def test_registry_modules_docs_and_targets_agree():
+    """One ``Patch`` per module file; its registry docstring entry names the same feature,
+    target and removal condition; the module's own docstring the same target and removal;
+    its factory lives in that module; the target exists in the installed vLLM."""
     folder = Path(patches.__file__).parent
     files = {p.stem for p in folder.glob("*.py")} - {"__init__"}
     assert files == {p.name for p in patches.PATCHES}
+    entries = _registry_entries()
+    assert set(entries) == files
     for patch in patches.PATCHES:
-        assert patch.name in patches.__doc__ and patch.qualname.split(".")[-1] in patches.__doc__
+        entry, own = entries[patch.name], _module_doc(patch.name)
+        target = f"{patch.module}.{patch.qualname}"
+        assert f"(feature {patch.feature}," in entry["head"].replace("``", ""), patch.name
+        assert entry["target"] == target, patch.name
+        assert entry["removal"] == _words(patch.removal), patch.name
+        assert set(own) == {"Target", "Why", "How", "Removal"}, patch.name
+        assert own["Target"].replace(" ", "").startswith(target), patch.name
+        assert own["Removal"] == _words(patch.removal), patch.name
+        assert patch.factory.startswith(f"vllm_mla.vllm.patches.{patch.name}:"), patch.name
         patches.resolve(patch)  # target exists with the expected parameters
-        module = (folder / f"{patch.name}.py").read_text()
-        assert patch.qualname.split(".")[0] in module.split('"""')[1]  # documented in the file
-        for word in ("Target", "Why", "How", "Removal"):
-            assert f"{word}:" in module.split('"""')[1]
 
 
 def test_entry_point_is_declared():

@@ -137,6 +137,7 @@ def validate(
 @pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 1)])
 def test_validate_accepts_what_it_serves(kv, block, cap):
     assert validate(kv=kv, block=block, cap=cap) == []
+    assert validate(kv=kv, block=block, cap=cap, use_dcp=True) == []  # DCP: served
 
 
 @pytest.mark.parametrize(
@@ -151,7 +152,6 @@ def test_validate_accepts_what_it_serves(kv, block, cap):
         ({"sparse": False}, "non-sparse not supported"),
         ({"cap": (7, 5)}, "compute capability not supported"),
         ({"use_pcp": True}, "PCP not supported"),
-        ({"use_dcp": True}, "DCP not supported"),
     ],
 )
 def test_validate_rejects_with_a_reason(change, reason):
@@ -178,9 +178,9 @@ def numpy_buffer(rows=8):
     return torch.from_numpy(backing), weakref.ref(backing)
 
 
-def make_impl(kv_cache_dtype="fp8_ds_mla", indexer=None, buffer=None, **extra):
+def make_impl(kv_cache_dtype="fp8_ds_mla", indexer=None, buffer=None, num_heads=H, **extra):
     return B12XMLASparseImpl(
-        H,
+        num_heads,
         576,
         576**-0.5,
         1,
@@ -207,7 +207,9 @@ def test_impl_flags_and_hooks():
     impl = make_impl(buffer=numpy_buffer()[0])
     assert impl.is_sparse and not impl.supports_dense_mha_prefill
     assert not impl.supports_quant_query_input and not impl.supports_pcp
-    assert not B12XMLASparseBackend.supports_pcp() and not B12XMLASparseBackend.supports_dcp()
+    assert not B12XMLASparseBackend.supports_pcp() and B12XMLASparseBackend.supports_dcp()
+    assert impl.can_return_lse_for_decode and impl.lse_base_on_e
+    assert not impl.need_to_return_lse_for_decode  # no DCP group here: vLLM asks for none
     impl.record_logical_topk_ready()
     impl.prepare_for_batch(None)
     assert impl.index_group is None  # the layer then builds no HiSparse cache handle
@@ -606,7 +608,8 @@ def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
         assert idx.data_ptr() == buf.data_ptr() and idx.shape == (tokens, TOPK)  # logical
         assert req_id is metadata.req_id_per_token and table is metadata.block_table
         # the output is the workspace's buffer, not a new tensor
-        _, out_buffer = impl._workspace()
+        _, out_buffer, lse_buffer = impl._workspace()
+        assert lse_buffer is None  # no DCP: no lse reserved
         assert out.data_ptr() == out_buffer.data_ptr() and out.shape == (tokens, H, 512)
 
         # b12x plan (no runner on CPU: the Triton launch on physical rows)
@@ -619,7 +622,7 @@ def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
         assert trace.persistent_bytes() == 0  # CPU conversion: temporaries only
         expected = metadata.physical_indices[:tokens].clone()
 
-        def cuda_contract(*args, out=None):  # vLLM's conversion: into out, else a new tensor
+        def cuda_contract(*args, out=None, shard=None):  # vLLM's: into out, else a new tensor
             return expected.clone() if out is None else out.copy_(expected)
 
         monkeypatch.setattr(impl_mod, "convert_to_physical", cuda_contract)

@@ -217,6 +217,7 @@ def test_step_contexts_read_vllms_indexer_metadata():
     chunk.max_seqlen_k = 4
     meta = SimpleNamespace(
         num_decodes=2,
+        num_decode_tokens=2,
         decode=decode,
         num_prefills=1,
         prefill=SimpleNamespace(chunks=[chunk]),
@@ -236,6 +237,11 @@ def test_step_contexts_read_vllms_indexer_metadata():
     del chunk.max_seqlen_k  # vLLM 0.32's chunks: the step's max_seq_len bounds them
     meta.num_prefills = 1
     assert step_contexts(meta)[-1][3] == 7
+    # ragged drafts (requires_padding): decode_lens [2, 1], packed rows, last column = L_b
     decode.requires_padding = True
-    with pytest.raises(NotImplementedError, match="uniform decode"):
-        step_contexts(meta)
+    decode.seq_lens = torch.tensor([[6, 7], [2, 3]])
+    decode.decode_lens = torch.tensor([2, 1], dtype=torch.int32)
+    meta.num_prefills, meta.num_decode_tokens = 0, 3
+    ((rows, tables, lengths, _),) = step_contexts(meta)
+    assert rows.tolist() == [0, 1, 2] and lengths.tolist() == [6, 7, 3]
+    assert tables.tolist() == [[5, 6], [5, 6], [7, 8]]

@@ -27,25 +27,50 @@ ROOT = Path(__file__).resolve().parents[1]
 BS = 64  # vLLM's index-cache block size
 
 
-def step(seed: int = 0, topk: int = 16):
-    """One vLLM-shaped indexer step: 2 decode requests with next_n = 2 (native MTP seq_lens
-    [B, 2]) and one prefill chunk of 3 tokens, their keys inserted into a 6-page cache."""
+# decode layouts vLLM's indexer metadata builder hands over: (decode metadata fields, the
+# (token, table row, causal length) of every decode token)
+TABLES = ([3, 1, 0], [2, 0, 0])
+DECODE_SHAPES = {
+    # native speculative decoding: seq_lens [B, next_n]
+    "native": (
+        {"seq_lens": [[70, 71], [5, 6]], "tables": TABLES, "requires_padding": False},
+        [(0, 70), (0, 71), (1, 5), (1, 6)],
+    ),
+    # ragged drafts, packed: decode_lens [2, 1]; the last column is each request's length
+    "ragged": (
+        {"seq_lens": [[70, 71], [5, 6]], "tables": TABLES, "requires_padding": True},
+        [(0, 70), (0, 71), (1, 6)],
+    ),
+    # flattened per token (more drafts than the native path takes): 1-D, tables expanded
+    "flat": (
+        {"seq_lens": [70, 71, 5, 6], "tables": [TABLES[0]] * 2 + [TABLES[1]] * 2},
+        [(0, 70), (0, 71), (1, 5), (1, 6)],
+    ),
+}
+
+
+def step(seed: int = 0, topk: int = 16, shape: str = "native"):
+    """One vLLM-shaped indexer step: 2 decode requests laid out as ``DECODE_SHAPES[shape]``
+    and one prefill chunk of 3 tokens, their keys inserted into a 6-page cache."""
+    fields, decode_rows = DECODE_SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
     cache = torch.zeros(6, BS, sparse_indexer.RECORD_BYTES, dtype=torch.uint8)
     slots = torch.arange(6 * BS)
     k = torch.randn(slots.shape[0], 128, generator=gen)
     sparse_indexer.insert_keys(cache, k, slots)
-    t = 7
+    n = len(decode_rows)
+    t = n + 3
     q = (torch.randn(t, 4, 128, generator=gen) * 3).to(torch.float8_e4m3fn)
     weights = torch.rand(t, 4, generator=gen)
     decode = SimpleNamespace(
-        requires_padding=False,
-        seq_lens=torch.tensor([[70, 71], [5, 6]]),
-        block_table=torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
+        requires_padding=fields.get("requires_padding", False),
+        seq_lens=torch.tensor(fields["seq_lens"]),
+        decode_lens=torch.tensor([2, 1], dtype=torch.int32),
+        block_table=torch.tensor(fields["tables"], dtype=torch.int32),
     )
     chunk = SimpleNamespace(
-        token_start=4,
-        token_end=7,
+        token_start=n,
+        token_end=t,
         cu_seq_lens=torch.tensor([0, 130]),
         cu_seqlen_ks=torch.tensor([0, 0, 0]),
         cu_seqlen_ke=torch.tensor([128, 129, 130]),
@@ -54,6 +79,7 @@ def step(seed: int = 0, topk: int = 16):
     )
     meta = SimpleNamespace(
         num_decodes=2,
+        num_decode_tokens=n,
         decode=decode,
         num_prefills=1,
         prefill=SimpleNamespace(chunks=[chunk]),
@@ -69,15 +95,17 @@ def step(seed: int = 0, topk: int = 16):
     return layer, torch.zeros(t, 8), q, k[:t], weights, meta
 
 
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("budget", [None, 28 * 130 * 2])
-def test_select_with_the_oracle_matches_a_per_token_computation(budget):
-    layer, hidden, q, k, weights, meta = step()
+def test_select_with_the_oracle_matches_a_per_token_computation(budget, shape):
+    layer, hidden, q, k, weights, meta = step(shape=shape)
     out = indexer.select(
         layer, hidden, q, k, weights, meta, indexer.ReferenceKernels, budget_bytes=budget
     ).clone()
-    rows = [(0, 0, 70), (1, 0, 71), (2, 1, 5), (3, 1, 6), (4, 2, 128), (5, 2, 129), (6, 2, 130)]
-    tables = torch.tensor([[3, 1, 0], [2, 0, 0], [5, 4, 0]], dtype=torch.int32)
-    for token, table, length in rows:
+    decode_rows = DECODE_SHAPES[shape][1]
+    rows = [*decode_rows, (2, 128), (2, 129), (2, 130)]
+    tables = torch.tensor([*TABLES, [5, 4, 0]], dtype=torch.int32)
+    for token, (table, length) in enumerate(rows):
         expected = sparse_indexer.index_topk(
             q[token : token + 1].float(),
             weights[token : token + 1],
@@ -87,8 +115,9 @@ def test_select_with_the_oracle_matches_a_per_token_computation(budget):
             layer.topk_tokens,
         )
         assert torch.equal(out[token], expected[0]), token
-    assert (out[7:] == 7).all()  # rows past the step are the buffer's own
-    assert (out[2, 5:] == -1).all()  # a 5-key context selects 5, then -1
+    assert (out[len(rows) :] == 7).all()  # rows past the step are the buffer's own
+    short = [i for i, (_, length) in enumerate(rows) if length == 5]
+    assert all((out[i, 5:] == -1).all() for i in short)  # a 5-key context selects 5, then -1
 
 
 SCRIPT = r"""
@@ -96,14 +125,14 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_sparse_indexer_portable import step
 from vllm_mla.vllm.sparse import indexer
-for seed in (0, 1, 2):
-    layer, hidden, q, k, weights, meta = step(seed)
+for seed, shape in ((0, "native"), (1, "ragged"), (2, "flat")):
+    layer, hidden, q, k, weights, meta = step(seed, shape=shape)
     ref = indexer.select(layer, hidden, q, k, weights, meta, indexer.ReferenceKernels).clone()
-    layer2, hidden, q, k, weights, meta = step(seed)
+    layer2, hidden, q, k, weights, meta = step(seed, shape=shape)
     got = indexer.select(layer2, hidden, q, k, weights, meta, indexer.triton_kernels(),
                          max_decode_len=256)  # a static decode width past every length
     assert torch.equal(got, ref), (seed, (got != ref).nonzero()[:8].tolist())
-    layer3, hidden, q, k, weights, meta = step(seed)  # row blocks of one token each
+    layer3, hidden, q, k, weights, meta = step(seed, shape=shape)  # row blocks of one token
     blocked = indexer.select(layer3, hidden, q, k, weights, meta, indexer.triton_kernels(),
                              max_decode_len=256, budget_bytes=28 * 256)
     assert torch.equal(blocked, ref), seed

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import L, N, V, mla_layer
-from vllm.model_executor.layers.attention import mla_attention
 
 from vllm_mla.backends import capabilities
 from vllm_mla.backends.capabilities import BackendCapabilities
@@ -19,13 +18,7 @@ from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.vllm import plugin, telemetry
 from vllm_mla.vllm.patches import mla_v_up_proj
 
-STOCK_V_UP = mla_attention.MLAAttention._v_up_proj
-
-
-@pytest.fixture(autouse=True)
-def _quiet_default_scales(monkeypatch):
-    # vLLM's own CPU test stubs this too: it needs a real vllm_config.
-    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+pytestmark = pytest.mark.usefixtures("no_default_quant_scales")
 
 
 @pytest.fixture

@@ -27,13 +27,7 @@ from vllm_mla.vllm.patches.wake_check_wake_up import make_wake_up
 STATE = wake_check.STATE
 
 
-@pytest.fixture(autouse=True)
-def _no_quant_scales(monkeypatch):
-    """The layers are built without vLLM's attention quant scales (as vLLM's own CPU
-    post-load test builds them); its scale defaulting would read them."""
-    from vllm.model_executor.layers.attention import mla_attention
-
-    monkeypatch.setattr(mla_attention, "set_default_quant_scales", lambda *a, **k: None)
+pytestmark = pytest.mark.usefixtures("no_default_quant_scales")
 
 
 class Worker:

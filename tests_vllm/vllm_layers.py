@@ -40,6 +40,7 @@ from torch import nn
 from vllm_mla.quant import fp8_block, mxfp8
 
 HEADS, NOPE, V_DIM, LATENT = 4, 96, 64, 512  # rows 640: a GLM-5-like NOPE != V
+ROPE = 64  # the rotary part of every served MLA query (576 = LATENT + ROPE)
 ROWS = HEADS * (NOPE + V_DIM)
 KERNELS = "vllm.model_executor.kernels.linear"
 PREFIX = "model.layers.0.self_attn.kv_b_proj"
@@ -565,6 +566,7 @@ def mla_layer(
     layer = MLAAttention.__new__(MLAAttention)
     nn.Module.__init__(layer)
     layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim, layer.kv_lora_rank = dims
+    layer.qk_rope_head_dim = ROPE
     layer.kv_b_proj = kv_b_proj
     layer.is_aiter_triton_fp4_bmm_enabled = False
     layer.is_aiter_triton_fp8_bmm_enabled = False
@@ -575,6 +577,7 @@ def mla_layer(
     layer.impl = SimpleNamespace(
         process_weights_after_loading=lambda act_dtype: None,
         supports_dense_mha_prefill=dense_prefill,
+        forward_mqa=lambda q, kv_cache, attn_metadata, layer: q,  # the decode consumer
     )
     if not dense_prefill:
         layer.prefill_backend = None

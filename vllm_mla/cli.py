@@ -29,7 +29,7 @@ from vllm_mla.soak import SoakConfig, run_soak
 from vllm_mla.tinymodel import EXACT_GRIDS, KV_B_FORMATS, MakeModelError, TinyModelSpec, make_model
 from vllm_mla.weights import LifecycleError, SourceError
 from vllm_mla.weights.checkpoint import CheckpointError
-from vllm_mla.weights.layer import WEIGHT_FORMATS
+from vllm_mla.weights.standins import WEIGHT_FORMATS
 
 MIB = 1 << 20
 USAGE_ERRORS = (
@@ -118,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--q-lora-rank", type=int, default=128, help="with --sparse (default 128)")
     m.add_argument("--index-topk", type=int, default=32, help="with --sparse (default 32)")
     m.add_argument("--index-heads", type=int, default=32, help="with --sparse (default 32)")
+    m.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        help="with --sparse: multi-token-prediction layers for speculative decoding (default 0)",
+    )
     _soak_parser(sub)
     return parser
 
@@ -259,6 +265,7 @@ def _make_model(args: argparse.Namespace) -> int:
         sparse=args.sparse,
         q_lora_rank=args.q_lora_rank,
         index_topk=args.index_topk,
+        mtp_layers=args.mtp_layers,
         index_heads=args.index_heads,
     )
     folder = make_model(args.path, spec)

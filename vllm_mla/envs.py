@@ -1,68 +1,30 @@
-"""Every environment variable vllm-mla reads, in one place, typed.
+"""Every environment variable vllm-mla reads, in one place, typed: ``VARIABLES`` (name,
+default, values, what it does; the README's table is ``markdown_table()``, a test keeps
+them equal) and one reader per variable. A value outside a variable's choices is a
+ValueError naming the variable.
 
-``VLLM_MLA`` (bool, default on): ``0`` makes the vLLM plugin apply nothing.
+The features of ``VLLM_MLA_FEATURES``: ``lifecycle`` (lean absorbed weights in MLA
+post-load), ``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs
+it, and the fused query projection on the decode path), ``sparse`` (registers the
+B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve to fp8_ds_mla for it and
+keeps an explicit bfloat16 cache, lets an MTP draft inherit it), ``sparse-cpu`` (CPU
+platform only: DSA models may select B12X_MLA_SPARSE, 64-row KV pages, the portable
+lightning indexer and torch stand-ins for vLLM's Triton-only metadata kernels),
+``sparse-indexer`` (CUDA: the portable Triton DSA indexer where ``VLLM_MLA_INDEXER`` picks
+it), ``cpu-mxfp8`` (CPU platform only: vLLM's emulation MXFP8 linear kernel registered for
+CPU, so MXFP8 checkpoints load) and ``wake-check`` (catches MLA weights discarded by sleep
+level 2 and not reloaded).
 
-``VLLM_MLA_FEATURES`` (comma list, default every known feature):
-the plugin features to apply; known: ``lifecycle`` (lean absorbed weights in MLA post-load),
-``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs it) and
-``sparse`` (registers the B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve
-to fp8_ds_mla for it and keeps an explicit bfloat16 cache) and ``sparse-cpu`` (on a CPU
-platform only: lets DSA models select B12X_MLA_SPARSE, 64-row KV pages, and the CPU
-lightning indexer in ``vllm_mla.ops.sparse_indexer``) and ``sparse-indexer`` (on CUDA:
-the portable Triton DSA indexer where ``VLLM_MLA_INDEXER`` picks it), ``wake-check``
-(catches MLA weights discarded by sleep level 2 and not reloaded, see
-``VLLM_MLA_WAKE_CHECK``) and ``cpu-mxfp8`` (on a CPU
-platform only: vLLM's emulation MXFP8 linear kernel registered for CPU, so MXFP8
-checkpoints load).
-
-``VLLM_MLA_SAFE_BMM`` (``auto`` | ``always`` | ``never``, default ``auto``): whether every
-bmm on MLA's absorbed weights (W_UK_T in the query absorption, W_UV in the V
-up-projection, on every forward path) runs through the safe BMM: ``auto`` on SM120/121
-or when the backend's capability asks, ``always`` on any device (e.g. a GPU with the
-same cuBLAS over-read that is not gated yet), ``never`` leaves upstream's bmm everywhere.
-
-``VLLM_MLA_ABSORBED`` (``bf16`` | ``direct`` | ``auto``, default ``auto``): what the absorbed
-weights are. ``bf16``: the lean BF16 pair. ``direct``: MXFP8 views of kv_b_proj's pack,
-no pair (an MXFP8 kv_b_proj is required; start-up fails naming the reason otherwise).
-``auto``: ``direct`` only where the backend declares it at least as fast, else ``bf16``.
-
-``VLLM_MLA_INDEXER`` (``auto`` | ``ours`` | ``vllm``, default ``auto``): the DSA lightning
-indexer on CUDA. ``auto``: ours (Triton, SM80+) where vLLM's cannot run (no DeepGEMM, or
-an SM12x GPU), vLLM's elsewhere; ``ours`` / ``vllm`` force one (vLLM's fails at start-up
-without DeepGEMM).
-
-``VLLM_MLA_WAKE_CHECK`` (``raise`` | ``warn`` | ``off``, default ``raise``): what the
-first step after a level-2 wake-up does when an MLA layer's weights no longer match
-their fingerprint from the last (re)load (``vllm_mla.vllm.wake_check``).
-
-``VLLM_MLA_SPARSE_CUSTOM`` (bool, default off): register vLLM's shared ``CUSTOM``
-attention-backend slot to B12X_MLA_SPARSE at plugin load (otherwise the slot is claimed
-only when a config selects the backend by name).
-
-``VLLM_MLA_CPU_ISA`` (``native`` | ``avx512_bf16`` | ``avx512`` | ``avx2``, default
-``native``): a test-harness switch that hides x86 CPU features from torch, oneDNN and vLLM
-CPU, so one host runs what a host with fewer features runs (``vllm_mla.cpu_isa``; the test
-environments apply it at interpreter start-up).
-
-``TRITON_INTERPRET`` (bool, default off): Triton's own switch to run kernels in its
-CPU interpreter; it also lets the fused query projection take CPU tensors (tests).
-
-Build time only, read by setup.py (which cannot import the package):
-``VLLM_MLA_CUDA_ARCHS`` (e.g. ``"90;120"``, default sm_80/86/89/90/100/120): the GPU
-architectures the CUDA op is compiled for; ``none`` skips the CUDA op.
+Build time only, read by setup.py (which cannot import the package): ``VLLM_MLA_CUDA_ARCHS``
+(listed in ``VARIABLES`` too).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 TRUE = ("1", "true", "yes", "on")
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in TRUE
-
-
 FEATURES = (
     "lifecycle",
     "query",
@@ -72,6 +34,123 @@ FEATURES = (
     "cpu-mxfp8",
     "wake-check",
 )
+SAFE_BMM_MODES = ("auto", "always", "never")
+ABSORBED_MODES = ("bf16", "direct", "auto")
+QUERY_MODES = ("auto", "fused", "staged")
+INDEXER_CHOICES = ("auto", "ours", "vllm")
+WAKE_CHECK_MODES = ("raise", "warn", "off")
+CPU_ISA_LEVELS = ("native", "avx512_bf16", "avx512", "avx2")
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: its default, its values (a tuple of choices, or a word
+    for free-form ones) and what it does."""
+
+    name: str
+    default: str
+    values: tuple[str, ...] | str
+    what: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("VLLM_MLA", "1", "bool", "`0` makes the vLLM plugin apply nothing"),
+    Variable(
+        "VLLM_MLA_FEATURES",
+        "every feature",
+        "comma list of " + ", ".join(FEATURES),
+        "the plugin features to apply (module docstring of `vllm_mla.envs`)",
+    ),
+    Variable(
+        "VLLM_MLA_ABSORBED",
+        "auto",
+        ABSORBED_MODES,
+        "the absorbed weights: the lean BF16 pair, or MXFP8 views of kv_b_proj's pack "
+        "(`direct`, no pair); `auto`: direct only where the backend declares it faster",
+    ),
+    Variable(
+        "VLLM_MLA_SAFE_BMM",
+        "auto",
+        SAFE_BMM_MODES,
+        "every bmm on the absorbed weights through the bounds-safe BMM: `auto` on SM120/121 "
+        "or where the backend asks, `always` anywhere, `never` leaves upstream's",
+    ),
+    Variable(
+        "VLLM_MLA_QUERY",
+        "auto",
+        QUERY_MODES,
+        "the decode query: `fused` = one `mla_query_projection` where vLLM runs bmm + "
+        "concat (+ quant); `auto`: fused where the Triton kernel serves the layer (CUDA); "
+        "`staged`: vLLM's own",
+    ),
+    Variable(
+        "VLLM_MLA_INDEXER",
+        "auto",
+        INDEXER_CHOICES,
+        "the DSA indexer on CUDA: `auto` = ours (Triton, SM80+) where vLLM's cannot run "
+        "(no DeepGEMM, SM12x), else vLLM's",
+    ),
+    Variable(
+        "VLLM_MLA_WAKE_CHECK",
+        "raise",
+        WAKE_CHECK_MODES,
+        "what the first step after a level-2 wake-up does when an MLA layer's weights no "
+        "longer match their fingerprint",
+    ),
+    Variable(
+        "VLLM_MLA_SPARSE_CUSTOM",
+        "0",
+        "bool",
+        "register vLLM's shared `CUSTOM` backend slot to B12X_MLA_SPARSE at plugin load",
+    ),
+    Variable(
+        "VLLM_MLA_CPU_ISA",
+        "native",
+        CPU_ISA_LEVELS,
+        "test harness: hide x86 features from torch, oneDNN and vLLM CPU, so this host "
+        "runs what a host with fewer features runs",
+    ),
+    Variable(
+        "TRITON_INTERPRET",
+        "0",
+        "bool",
+        "Triton's own switch: kernels in its CPU interpreter (the tests' kernel runs)",
+    ),
+    Variable(
+        "VLLM_MLA_CUDA_ARCHS",
+        "80;86;89;90;100;120",
+        "`;` list, or `none`",
+        "build time (setup.py): the architectures the CUDA op is compiled for",
+    ),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def markdown_table() -> str:
+    """``VARIABLES`` as the README's markdown table."""
+    rows = ["| variable | default | values | what it does |", "|---|---|---|---|"]
+    for v in VARIABLES:
+        values = (
+            " \\| ".join(f"`{c}`" for c in v.values) if isinstance(v.values, tuple) else v.values
+        )
+        rows.append(f"| `{v.name}` | `{v.default}` | {values} | {v.what} |")
+    return "\n".join(rows)
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip().lower() or _BY_NAME[name].default
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in TRUE
+
+
+def _choice(name: str) -> str:
+    """The variable's value among its choices; a ValueError naming it otherwise."""
+    value, choices = _raw(name), _BY_NAME[name].values
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def plugin_enabled() -> bool:
@@ -90,56 +169,40 @@ def plugin_features() -> tuple[frozenset[str], tuple[str, ...]]:
     )
 
 
-SAFE_BMM_MODES = ("auto", "always", "never")
-
-
 def safe_bmm_mode() -> str:
-    """``VLLM_MLA_SAFE_BMM``; any other value is a ValueError naming the variable."""
-    mode = os.environ.get("VLLM_MLA_SAFE_BMM", "auto").strip().lower() or "auto"
-    if mode not in SAFE_BMM_MODES:
-        raise ValueError(f"VLLM_MLA_SAFE_BMM must be one of {SAFE_BMM_MODES}, got {mode!r}")
-    return mode
-
-
-ABSORBED_MODES = ("bf16", "direct", "auto")
+    """``VLLM_MLA_SAFE_BMM``."""
+    return _choice("VLLM_MLA_SAFE_BMM")
 
 
 def absorbed_mode() -> str:
-    """``VLLM_MLA_ABSORBED``; any other value is a ValueError naming the variable."""
-    mode = os.environ.get("VLLM_MLA_ABSORBED", "auto").strip().lower() or "auto"
-    if mode not in ABSORBED_MODES:
-        raise ValueError(f"VLLM_MLA_ABSORBED must be one of {ABSORBED_MODES}, got {mode!r}")
-    return mode
+    """``VLLM_MLA_ABSORBED``."""
+    return _choice("VLLM_MLA_ABSORBED")
 
 
-INDEXER_CHOICES = ("auto", "ours", "vllm")
+def query_mode() -> str:
+    """``VLLM_MLA_QUERY``."""
+    return _choice("VLLM_MLA_QUERY")
 
 
 def indexer_choice() -> str:
-    """``VLLM_MLA_INDEXER``; any other value is a ValueError naming the variable."""
-    choice = os.environ.get("VLLM_MLA_INDEXER", "auto").strip().lower() or "auto"
-    if choice not in INDEXER_CHOICES:
-        raise ValueError(f"VLLM_MLA_INDEXER must be one of {INDEXER_CHOICES}, got {choice!r}")
-    return choice
-
-
-WAKE_CHECK_MODES = ("raise", "warn", "off")
+    """``VLLM_MLA_INDEXER``."""
+    return _choice("VLLM_MLA_INDEXER")
 
 
 def wake_check_mode() -> str:
-    """``VLLM_MLA_WAKE_CHECK``; any other value is a ValueError naming the variable."""
-    mode = os.environ.get("VLLM_MLA_WAKE_CHECK", "raise").strip().lower() or "raise"
-    if mode not in WAKE_CHECK_MODES:
-        raise ValueError(f"VLLM_MLA_WAKE_CHECK must be one of {WAKE_CHECK_MODES}, got {mode!r}")
-    return mode
+    """``VLLM_MLA_WAKE_CHECK``."""
+    return _choice("VLLM_MLA_WAKE_CHECK")
 
 
-CPU_ISA_LEVELS = ("native", "avx512_bf16", "avx512", "avx2")
+def sparse_custom() -> bool:
+    """``VLLM_MLA_SPARSE_CUSTOM`` (set by the user, or by the plugin in the process that
+    spawned this one)."""
+    return _flag("VLLM_MLA_SPARSE_CUSTOM")
 
 
 def cpu_isa() -> str:
     """``VLLM_MLA_CPU_ISA``, lower-cased; validated by ``vllm_mla.cpu_isa.apply``."""
-    return os.environ.get("VLLM_MLA_CPU_ISA", "native").strip().lower() or "native"
+    return _raw("VLLM_MLA_CPU_ISA")
 
 
 def triton_interpret() -> bool:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-MX_BLOCK = 32  # L must split into whole MXFP8 scale blocks
+from vllm_mla.formats import MX_BLOCK  # L must split into whole MXFP8 scale blocks
 
 
 class GeometryError(ValueError):

@@ -22,7 +22,7 @@ from vllm_mla.weights.absorb import ABSORBED_MODES, DEFAULT_MAX_SCRATCH_BYTES, P
 from vllm_mla.weights.checkpoint import checkpoint_format, load_kv_b_proj
 from vllm_mla.weights.direct import DIRECT_DECODES
 from vllm_mla.weights.forms import FORM_NAMES, FORMS, KVBForm, form
-from vllm_mla.weights.layer import (
+from vllm_mla.weights.standins import (
     FormTensors,
     MLALayer,
     build_kv_b_proj,
@@ -76,7 +76,7 @@ class QualifyError(ValueError):
     """A setting qualify cannot run with; the message names it."""
 
 
-def resolve_device(name: str) -> torch.device:
+def device_named(name: str) -> torch.device:
     """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -267,7 +267,7 @@ def run_qualify(
     "baseline" and "lean"; the report is the same either way."""
     started = time.perf_counter()
     geo = model_geometry(cfg).shard(cfg.tp, cfg.rank)
-    device = resolve_device(cfg.device)
+    device = device_named(cfg.device)
     act = act_dtype(cfg.dtype)
     if cfg.model and not cfg.checkpoint:
         cfg = replace(cfg, checkpoint=cfg.model)

@@ -31,16 +31,16 @@ from vllm_mla.qualify import (
     act_dtype,
     check_absorbed,
     dense_pair,
+    device_named,
     ledger_of,
     load_into,
     pair_pointers,
-    resolve_device,
     synthetic_tensors,
     upstream_pair,
 )
 from vllm_mla.weights import LifecycleConfig, post_load
 from vllm_mla.weights.forms import FORM_NAMES, form
-from vllm_mla.weights.layer import MLALayer, build_layer
+from vllm_mla.weights.standins import MLALayer, build_layer
 
 Progress = Callable[[str, int], Iterator[int]]
 MAX_RECORDED = 5  # failures kept with their details; the counts cover every cycle
@@ -142,7 +142,7 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakReport:
     """Run ``cfg.cycles`` reload cycles; every check counted over every cycle and layer."""
     started = time.perf_counter()
     _check(cfg)
-    device = resolve_device(cfg.device)
+    device = device_named(cfg.device)
     act = act_dtype(cfg.dtype)
     geo = preset(cfg.preset).shard(cfg.tp, 0)
     f = form(cfg.weights)

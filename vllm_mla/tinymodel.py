@@ -12,6 +12,13 @@ GLM-5 and DeepSeek-V3.2 checkpoints are): q LoRA (``q_a_proj``, ``q_a_layernorm`
 ``weights_proj``) selecting ``index_topk`` tokens; transformers' own DeepseekV32 classes
 load it.
 
+With ``mtp_layers=N`` (sparse only) the checkpoint also carries N multi-token-prediction
+layers after the decoder layers, under the names DeepSeek-V3 checkpoints use and vLLM's
+``DeepSeekMTP`` loads (``model.layers.{L}.``: ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm``, ``shared_head.head`` and a whole decoder layer, indexer included),
+``num_nextn_predict_layers`` set: speculative decoding with ``method="mtp"``. transformers
+has no MTP layers and warns about those weights, so the MTP folder is for vLLM runs only.
+
 With ``kv_b_format="fp8-block"`` kv_b_proj is stored as DeepSeek block FP8 (e4m3
 ``weight`` + fp32 ``weight_scale_inv`` per 128x128) and every other layer stays
 fp32 (``modules_to_not_convert``); ``kv_b_exact=True`` instead stores fp32 values
@@ -68,6 +75,7 @@ class TinyModelSpec:
     index_topk: int = 32  # sparse only: tokens the indexer keeps per query
     index_heads: int = 32  # sparse only; >= 32 keeps ReLU ties at 0 from deciding top-k
     index_head_dim: int = 128  # sparse only (vLLM's indexer is written for 128)
+    mtp_layers: int = 0  # sparse only: multi-token-prediction layers (speculative decoding)
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "hidden", "intermediate"):
@@ -81,10 +89,14 @@ class TinyModelSpec:
             for name in ("q_lora_rank", "index_topk", "index_heads"):
                 if getattr(self, name) < 1:
                     raise MakeModelError(f"--{name.replace('_', '-')} must be >= 1")
+            if self.mtp_layers < 0:
+                raise MakeModelError(f"--mtp-layers must be >= 0, got {self.mtp_layers}")
             if self.index_head_dim != 128:
                 raise MakeModelError(
                     f"--index-head-dim must be 128 (vLLM's indexer), got {self.index_head_dim}"
                 )
+        elif self.mtp_layers:
+            raise MakeModelError("--mtp-layers needs --sparse (DeepSeek-V3.2 MTP layers)")
         if self.kv_b_format not in KV_B_FORMATS:
             raise MakeModelError(
                 f"kv_b format must be one of {KV_B_FORMATS}, got {self.kv_b_format!r}"
@@ -116,7 +128,7 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.heads,
-        "first_k_dense_replace": spec.layers,  # every layer dense: no MoE
+        "first_k_dense_replace": spec.layers + spec.mtp_layers,  # all dense: no MoE
         "n_routed_experts": 1,
         "n_shared_experts": 1,
         "num_experts_per_tok": 1,
@@ -152,6 +164,8 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
             "topk_group": 1,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         }
+        if spec.mtp_layers:
+            config["num_nextn_predict_layers"] = spec.mtp_layers
     if spec.kv_b_format == "fp8-block":
         config["quantization_config"] = {
             "quant_method": "fp8",
@@ -186,57 +200,76 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
 
 def _fp32_modules(spec: TinyModelSpec) -> list[str]:
     names = ["lm_head"]
-    for i in range(spec.layers):
+    for i in range(spec.layers + spec.mtp_layers):
         p = f"model.layers.{i}"
         q = ("q_a_proj", "q_b_proj") if spec.sparse else ("q_proj",)
         names += [f"{p}.self_attn.{n}" for n in (*q, "kv_a_proj_with_mqa", "o_proj")]
         if spec.sparse:
             names += [f"{p}.self_attn.indexer.{n}" for n in ("wq_b", "wk", "weights_proj")]
         names += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+        if i >= spec.layers:
+            names += [f"{p}.eh_proj", f"{p}.shared_head.head"]
     return names
 
 
 def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
-    """Seeded fp32 weights under transformers' DeepSeek-V2 names."""
+    """Seeded fp32 weights under transformers' DeepSeek-V2 names (MTP layers drawn last, so
+    the model itself is the same with or without them)."""
     gen = torch.Generator().manual_seed(spec.seed)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * spec.init_std
 
-    h, d = spec.heads, spec.hidden
+    d = spec.hidden
     out = {"model.embed_tokens.weight": normal(vocab, d)}
     for i in range(spec.layers):
-        p = f"model.layers.{i}"
-        kv_b = normal(h * (QK_NOPE + V_HEAD), KV_LORA_RANK)
-        if spec.kv_b_grid == "fp8-block":
-            kv_b = fp8_block.dequantize(fp8_block.quantize(kv_b), torch.float32)
-        elif spec.kv_b_grid == "mxfp8":
-            kv_b = mxfp8.dequantize(mxfp8.quantize(kv_b, axis=-1), torch.float32)
-        if spec.sparse:
-            out |= _sparse_attention(spec, p, normal)
-        else:
-            out[f"{p}.self_attn.q_proj.weight"] = normal(h * (QK_NOPE + QK_ROPE), d)
-        out |= {
-            f"{p}.input_layernorm.weight": torch.ones(d),
-            f"{p}.post_attention_layernorm.weight": torch.ones(d),
-            f"{p}.self_attn.kv_a_proj_with_mqa.weight": normal(KV_LORA_RANK + QK_ROPE, d),
-            f"{p}.self_attn.kv_a_layernorm.weight": torch.ones(KV_LORA_RANK),
-            f"{p}.self_attn.kv_b_proj.weight": kv_b,
-            f"{p}.self_attn.o_proj.weight": normal(d, h * V_HEAD),
-            f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
-            f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
-            f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
-        }
-        if spec.kv_b_format == "fp8-block":
-            packed = fp8_block.quantize(kv_b)
-            out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
-            out[f"{p}.self_attn.kv_b_proj.weight_scale_inv"] = packed.scale_inv
-        elif spec.kv_b_format == "mxfp8":
-            packed = mxfp8.quantize(kv_b, axis=-1)
-            out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
-            out[f"{p}.self_attn.kv_b_proj.weight_scale"] = packed.scales
+        out |= _decoder_layer(spec, f"model.layers.{i}", normal)
     out["model.norm.weight"] = torch.ones(d)
     out["lm_head.weight"] = normal(vocab, d)
+    for i in range(spec.layers, spec.layers + spec.mtp_layers):
+        p = f"model.layers.{i}"
+        out |= _decoder_layer(spec, p, normal) | {
+            f"{p}.enorm.weight": torch.ones(d),
+            f"{p}.hnorm.weight": torch.ones(d),
+            f"{p}.eh_proj.weight": normal(d, 2 * d),
+            f"{p}.shared_head.norm.weight": torch.ones(d),
+            f"{p}.shared_head.head.weight": normal(vocab, d),
+        }
+    return out
+
+
+def _decoder_layer(spec: TinyModelSpec, p: str, normal) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights under prefix ``p``."""
+    h, d = spec.heads, spec.hidden
+    out = {}
+    kv_b = normal(h * (QK_NOPE + V_HEAD), KV_LORA_RANK)
+    if spec.kv_b_grid == "fp8-block":
+        kv_b = fp8_block.dequantize(fp8_block.quantize(kv_b), torch.float32)
+    elif spec.kv_b_grid == "mxfp8":
+        kv_b = mxfp8.dequantize(mxfp8.quantize(kv_b, axis=-1), torch.float32)
+    if spec.sparse:
+        out |= _sparse_attention(spec, p, normal)
+    else:
+        out[f"{p}.self_attn.q_proj.weight"] = normal(h * (QK_NOPE + QK_ROPE), d)
+    out |= {
+        f"{p}.input_layernorm.weight": torch.ones(d),
+        f"{p}.post_attention_layernorm.weight": torch.ones(d),
+        f"{p}.self_attn.kv_a_proj_with_mqa.weight": normal(KV_LORA_RANK + QK_ROPE, d),
+        f"{p}.self_attn.kv_a_layernorm.weight": torch.ones(KV_LORA_RANK),
+        f"{p}.self_attn.kv_b_proj.weight": kv_b,
+        f"{p}.self_attn.o_proj.weight": normal(d, h * V_HEAD),
+        f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
+        f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
+        f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
+    }
+    if spec.kv_b_format == "fp8-block":
+        packed = fp8_block.quantize(kv_b)
+        out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
+        out[f"{p}.self_attn.kv_b_proj.weight_scale_inv"] = packed.scale_inv
+    elif spec.kv_b_format == "mxfp8":
+        packed = mxfp8.quantize(kv_b, axis=-1)
+        out[f"{p}.self_attn.kv_b_proj.weight"] = packed.values
+        out[f"{p}.self_attn.kv_b_proj.weight_scale"] = packed.scales
     return out
 
 

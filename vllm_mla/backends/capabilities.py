@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_mla.formats import SPARSE_BACKEND
 from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES, LifecycleConfig
 
 
@@ -22,6 +23,8 @@ class BackendCapabilities:
     name: str
     releases_absorbed_source: bool = False
     needs_safe_query_bmm: bool = False
+    # The DSA row layout (vllm_mla.vllm.fused_query): the backend's forward_mqa reads a
+    # (ql_nope, q_pe) pair whose ql_nope is the left part of one [M, H, L + R] buffer.
     supports_fused_query_projection: bool = False
     serves_extend_through_absorbed: bool = False
     prefers_direct_absorbed: bool = False  # VLLM_MLA_ABSORBED=auto picks direct (measured)
@@ -36,8 +39,8 @@ class BackendCapabilities:
 
 
 CAPABILITIES: dict[str, BackendCapabilities] = {
-    "B12X_MLA_SPARSE": BackendCapabilities(
-        "B12X_MLA_SPARSE",
+    SPARSE_BACKEND: BackendCapabilities(
+        SPARSE_BACKEND,
         releases_absorbed_source=True,
         supports_fused_query_projection=True,
         serves_extend_through_absorbed=True,

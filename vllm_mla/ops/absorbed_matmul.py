@@ -15,10 +15,17 @@ Contract:
 
 Paths (one per call, counted in ``calls()``): ``triton`` (MXFP8 on CUDA, or on CPU under
 ``TRITON_INTERPRET=1``: values and scales read in place, no BF16 copy); ``safe`` (dense
-bf16: ``safe_mla_query_bmm``, bounds-safe on SM12x); ``torch`` (other dense dtypes, CPU
-MXFP8: decode a few heads at a time, then bmm). All run as
-``torch.ops.vllm_mla.absorbed_bmm_out`` (mutates ``out``) or ``absorbed_bmm``
+bf16: ``safe_mla_query_bmm``, bounds-safe on SM12x); ``torch`` (other dense dtypes, or a
+dense weight routed only to carry the fused query projection: upstream's ``torch.bmm``);
+``torch-mxfp8`` (CPU MXFP8: decode a few heads at a time, then bmm). A weight may fix its
+path at construction (``path=``); otherwise ``plan_path`` picks it from the weight. All
+run as ``torch.ops.vllm_mla.absorbed_bmm_out`` (mutates ``out``) or ``absorbed_bmm``
 (functional), with fake impls, so torch.compile and CUDA graphs see opaque ops.
+
+Row layout (``row_width`` W > N): the functional form returns ``[B, M, N]`` as a view of a
+``[M, B, W]`` buffer (strides ``(W, B * W, 1)``), so the caller's ``.transpose(0, 1)`` is the
+left part of a contiguous ``[M, B, W]`` tensor whose right part the caller fills (the DSA
+query, ``query_fusion.row_query``). Values are those of the plain layout.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 import vllm_mla.ops.query_bmm  # noqa: F401  (registers vllm_mla::safe_mla_query_bmm)
 from vllm_mla import envs
 from vllm_mla.ops import overlap
-from vllm_mla.ops.query_projection import TRITON_AVAILABLE, MXFP8Weight
+from vllm_mla.ops.base import TRITON_AVAILABLE, MXFP8Weight
 from vllm_mla.quant import mxfp8
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -224,8 +231,19 @@ def run_path(
     _calls[path, role] += 1
 
 
-def _run(a: torch.Tensor, values: torch.Tensor, scales, out: torch.Tensor, role: str) -> None:
-    run_path(plan_path(values, scales, a.dtype), a, values, scales, out, role)
+def _run(
+    a: torch.Tensor, values: torch.Tensor, scales, out: torch.Tensor, role: str, path: str = ""
+) -> None:
+    run_path(path or plan_path(values, scales, a.dtype), a, values, scales, out, role)
+
+
+def new_out(a: torch.Tensor, n: int, row_width: int = 0) -> torch.Tensor:
+    """``[B, M, N]`` for ``a [B, M, K]``: contiguous, or (``row_width`` W > 0) a view of a new
+    ``[M, B, W]`` buffer, strides ``(W, B * W, 1)`` (the module docstring's row layout)."""
+    batch, m = a.shape[0], a.shape[1]
+    if row_width:
+        return a.new_empty((m, batch, row_width)).transpose(0, 1)[..., :n]
+    return a.new_empty((batch, m, n))
 
 
 def run_checked(w, a: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -252,10 +270,10 @@ def run_checked(w, a: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         validate(a, values if scales is None else MXFP8Weight(values, scales), out)
         _fail(f"a must be {dtype}, got {a.dtype}")  # the one check validate leaves out
     if out is None:
-        if w._run is _run_cpu_dense:
+        if w._run is _run_cpu_dense and not w._row_width:
             _calls[w._key] += 1
             return torch.bmm(a, values)  # CPU: torch allocates the result itself
-        out = a.new_empty((batch, shape[1], n))
+        out = new_out(a, n, w._row_width)
     w._run(a, values, scales, out)
     _calls[w._key] += 1
     return out
@@ -280,27 +298,33 @@ def _bmm_out_op(
     scales: torch.Tensor | None,
     out: torch.Tensor,
     role: str = "",
+    path: str = "",
 ) -> None:
-    _run(a, values, scales, out, role)
+    _run(a, values, scales, out, role, path)
 
 
 @_bmm_out_op.register_fake
-def _(a, values, scales, out, role="") -> None:
+def _(a, values, scales, out, role="", path="") -> None:
     return None
 
 
 @torch.library.custom_op("vllm_mla::absorbed_bmm", mutates_args=())
 def _bmm_op(
-    a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, role: str = ""
+    a: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    role: str = "",
+    path: str = "",
+    row_width: int = 0,
 ) -> torch.Tensor:
-    out = a.new_empty((a.shape[0], a.shape[1], values.shape[2]))
-    _run(a, values, scales, out, role)
+    out = new_out(a, values.shape[2], row_width)
+    _run(a, values, scales, out, role, path)
     return out
 
 
 @_bmm_op.register_fake
-def _(a, values, scales, role=""):
-    return a.new_empty((a.shape[0], a.shape[1], values.shape[2]))
+def _(a, values, scales, role="", path="", row_width=0):
+    return new_out(a, values.shape[2], row_width)
 
 
 def _parts(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,6 +20,14 @@ it); in-place ops on a dense wrapper write its storage; anything else runs on th
 dense values (an MXFP8 weight is decoded for it, and refuses in-place writes: the pack
 is refreshed by its owner). The wrapper's strides are contiguous by construction;
 ``inner_tensors()`` is the storage it really holds (for ledgers and pointer checks).
+
+Two optional bindings ride along (``vllm_mla.vllm.fused_query`` sets them): ``path`` fixes
+the bmm's path (``torch``: upstream's ``torch.bmm``, for a weight routed only for the next
+two), ``row_width`` makes a bmm without ``out`` return the row layout
+(``absorbed_matmul.new_out``: the DSA query), and ``attach_fusion`` lets an eager
+``torch.bmm(q, W, out=...)`` defer to the layer's query projection
+(``vllm_mla.ops.query_fusion``) while that layer is armed. Any other eager bmm on a routed
+weight first runs a deferred bmm nobody took.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ import logging
 import torch
 from torch.utils._pytree import tree_map_only
 
+from vllm_mla.ops import query_fusion
 from vllm_mla.ops.absorbed_matmul import (
+    PATHS,
     MXFP8Weight,
     decode,
     plan_path,
@@ -68,6 +78,8 @@ class AbsorbedWeight(torch.Tensor):
         scales: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         role: str = "",
+        path: str | None = None,
+        row_width: int = 0,
     ):
         dtype = dtype or values.dtype
         probe = torch.empty(
@@ -89,24 +101,47 @@ class AbsorbedWeight(torch.Tensor):
         scales: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         role: str = "",
+        path: str | None = None,
+        row_width: int = 0,
     ) -> None:
         self._values = values
         self._scales = scales
         self._dtype = dtype or values.dtype  # plain attributes: Tensor.dtype costs a dispatch
         self.role = role
-        path = plan_path(values, scales, self._dtype)
-        self._run = runner(path, values.device.type)
-        self._key = (path, role)
+        planned = plan_path(values, scales, self._dtype)
+        if path is not None and path != planned:
+            if path not in PATHS or (scales is None) != (path in ("safe", "torch")):
+                raise ValueError(f"path {path!r} cannot serve a {self.kind} weight")
+            planned = path
+        if row_width and row_width < values.shape[2]:
+            raise ValueError(f"row_width {row_width} < N={values.shape[2]}")
+        self._path_fixed = path is not None
+        self._run = runner(planned, values.device.type)
+        self._key = (planned, role)
         self._dims = (*values.shape, values.get_device(), self._dtype)
+        self._row_width = row_width
+        self._fusion: query_fusion.QueryFusion | None = None
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def dense(cls, tensor: torch.Tensor, role: str = "") -> AbsorbedWeight:
+    def dense(
+        cls, tensor: torch.Tensor, role: str = "", path: str | None = None, row_width: int = 0
+    ) -> AbsorbedWeight:
         """Wrap a dense pair member (its storage is used as is, never copied)."""
         if isinstance(tensor, AbsorbedWeight):
             tensor = tensor.dense_values()
-        return cls(tensor, None, tensor.dtype, role)
+        return cls(tensor, None, tensor.dtype, role, path, row_width)
+
+    def rebound(self, *, path: str | None = None, row_width: int = 0) -> AbsorbedWeight:
+        """The same storage and dtype with another ``path`` / ``row_width`` (never copied)."""
+        return AbsorbedWeight(
+            self._values, self._scales, self._dtype, self.role, path or self.path, row_width
+        )
+
+    def attach_fusion(self, fusion: query_fusion.QueryFusion | None) -> None:
+        """Let eager ``torch.bmm(q, self, out=...)`` defer to ``fusion`` while it is armed."""
+        self._fusion = fusion
 
     @classmethod
     def mxfp8(cls, weight: MXFP8Weight, dtype: torch.dtype, role: str = "") -> AbsorbedWeight:
@@ -121,6 +156,20 @@ class AbsorbedWeight(torch.Tensor):
     @property
     def kind(self) -> str:
         return "dense" if self._scales is None else "mxfp8"
+
+    @property
+    def path(self) -> str:
+        """The path every bmm on this weight takes (``absorbed_matmul.PATHS``)."""
+        return self._key[0]
+
+    @property
+    def row_width(self) -> int:
+        """W > 0: a bmm without ``out`` returns the row layout (module docstring)."""
+        return self._row_width
+
+    @property
+    def fusion(self) -> query_fusion.QueryFusion | None:
+        return self._fusion
 
     @property
     def weight(self) -> torch.Tensor | MXFP8Weight:
@@ -148,16 +197,20 @@ class AbsorbedWeight(torch.Tensor):
     # -- tracing support -------------------------------------------------------------------
 
     def _stable_hash_for_caching(self) -> str:
-        return f"AbsorbedWeight:{self.kind}:{self.role}:{self.dtype}:{tuple(self.shape)}"
+        return (
+            f"AbsorbedWeight:{self.kind}:{self.role}:{self.dtype}:{tuple(self.shape)}:"
+            f"{self._key[0]}:{self._row_width}"
+        )
 
     def __tensor_flatten__(self):
         names = ["_values"] if self._scales is None else ["_values", "_scales"]
-        return names, (self.dtype, self.role)
+        path = self._key[0] if self._path_fixed else None
+        return names, (self.dtype, self.role, path, self._row_width)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        dtype, role = ctx
-        return AbsorbedWeight(inner["_values"], inner.get("_scales"), dtype, role)
+        dtype, role, path, row_width = ctx
+        return AbsorbedWeight(inner["_values"], inner.get("_scales"), dtype, role, path, row_width)
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -170,7 +223,13 @@ class AbsorbedWeight(torch.Tensor):
             and not isinstance(args[0], AbsorbedWeight)
             and not torch.compiler.is_compiling()
         ):
-            return run_checked(args[1], args[0], kwargs.get("out") if kwargs else None)
+            w, out = args[1], kwargs.get("out") if kwargs else None
+            fusion = w._fusion
+            if fusion is not None and out is not None and fusion.defer(args[0], out):
+                return out  # the layer's query projection computes it (query_fusion)
+            if query_fusion.pending():
+                query_fusion.flush_pending("unclaimed")
+            return run_checked(w, args[0], out)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -180,14 +239,20 @@ class AbsorbedWeight(torch.Tensor):
         if func in (aten.bmm.default, aten.bmm.out) and _weight_second(args):
             a, w = args
             values, scales = w._values, w._scales
+            path = w._key[0] if w._path_fixed else ""
             if func is aten.bmm.default:
-                return torch.ops.vllm_mla.absorbed_bmm(a, values, scales, w.role)
+                return torch.ops.vllm_mla.absorbed_bmm(
+                    a, values, scales, w.role, path, w._row_width
+                )
             out = kwargs["out"]
-            torch.ops.vllm_mla.absorbed_bmm_out(a, values, scales, out, w.role)
+            torch.ops.vllm_mla.absorbed_bmm_out(a, values, scales, out, w.role, path)
             return out
         if func in _KEEP_WRAPPER:
             w = args[0]
-            return AbsorbedWeight(w._values, w._scales, w._dtype, w.role)
+            path = w._key[0] if w._path_fixed else None
+            kept = AbsorbedWeight(w._values, w._scales, w._dtype, w.role, path, w._row_width)
+            kept._fusion = w._fusion
+            return kept
         if func is aten.copy_.default and isinstance(args[0], AbsorbedWeight):
             return _copy_into(args[0], args[1])
         if func._schema.is_mutable and any(

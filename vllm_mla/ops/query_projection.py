@@ -1,6 +1,6 @@
 """MLA decode query projection: ``out = [q_nope @ W_UK_T | q_pe]``, optionally FP8.
 
-Contract (DESIGN.md "Query path"):
+Contract:
 
 - ``q_nope [M, H, P]`` bf16 (a strided view of q is fine), ``q_pe [M, H, R]`` bf16,
   ``weight`` a bf16 ``[H, P, L]`` tensor or an MXFP8 pair (values e4m3 ``[H, P, L]``,
@@ -20,35 +20,23 @@ Contract (DESIGN.md "Query path"):
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from vllm_mla import envs
+from vllm_mla.formats import E4M3_MAX, LATENT, ROPE
 from vllm_mla.ops import overlap
+from vllm_mla.ops.base import TRITON_AVAILABLE, KernelNotPrewarmed, MXFP8Weight
 from vllm_mla.quant import mxfp8
 
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FUSED_HEADS = range(1, 129)
 FUSED_NOPE = (128, 192)
-FUSED_LATENT = 512
-FUSED_ROPE = 64
+FUSED_LATENT = LATENT
+FUSED_ROPE = ROPE
 FUSED_MAX_M = 64
 OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-
-class QueryProjectionNotPrewarmed(RuntimeError):
-    """A kernel variant would compile inside CUDA-graph capture."""
-
-
-class MXFP8Weight(NamedTuple):
-    """An MXFP8 weight ``[H, P, L]``: e4m3 ``values`` and uint8 E8M0 ``scales [H, P, L/32]``."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
+QueryProjectionNotPrewarmed = KernelNotPrewarmed  # the name this op's callers know
 
 
 Weight = torch.Tensor | MXFP8Weight | tuple[torch.Tensor, torch.Tensor]

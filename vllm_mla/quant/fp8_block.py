@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_mla.formats import E4M3_MAX
+
 BLOCK: tuple[int, int] = (128, 128)  # (rows, cols) per scale, as in DeepSeek-V3 checkpoints
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 

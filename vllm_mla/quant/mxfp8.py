@@ -14,13 +14,18 @@ from typing import Literal
 
 import torch
 
-BLOCK_SIZE = 32  # elements sharing one scale (OCP MX v1.0 block size k)
-SCALE_BIAS = 127  # E8M0 exponent bias
-SCALE_NAN = 255  # E8M0 code for NaN: the whole block is NaN
-SCALE_MAX = 254  # largest finite E8M0 code, 2**127
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-E4M3_EMAX = 8  # exponent of E4M3_MAX: floor(log2(448))
-E4M3_NAN_CODE = 0x7F  # float8_e4m3fn NaN bit pattern, S.1111.111 with S = 0
+from vllm_mla.formats import (
+    E4M3_EMAX,
+    E4M3_MAX,
+    E4M3_NAN_CODE,
+    E8M0_BIAS,
+    E8M0_MAX,
+    E8M0_NAN,
+    MX_BLOCK,
+)
+
+BLOCK_SIZE = MX_BLOCK  # elements sharing one scale
+SCALE_BIAS, SCALE_NAN, SCALE_MAX = E8M0_BIAS, E8M0_NAN, E8M0_MAX
 FP32_MIN_NORMAL = 2.0**-126  # smallest normal float32
 SUBNORMAL_SHIFT = 64  # scaling a float32 subnormal by 2**64 makes it normal, exactly
 

@@ -60,6 +60,10 @@ def register() -> dict[str, str]:
         from vllm_mla.vllm.sparse import cpu
 
         _result["sparse-cpu"] += "; " + cpu.register()
+    if _result.get("query", "").startswith("applied"):
+        from vllm_mla.vllm import fused_query
+
+        _result["query"] += "; " + fused_query.register()
     if _result.get("sparse-indexer", "").startswith("applied"):
         _result["sparse-indexer"] = _cuda_indexer()
     if "cpu-mxfp8" in _result:
@@ -82,6 +86,9 @@ def reset() -> None:
     from vllm_mla.vllm.wake_check import STATE
 
     STATE.reset()
+    from vllm_mla.vllm import fused_query
+
+    fused_query.unregister()
     try:
         from vllm_mla.vllm.sparse import registration
 

@@ -15,7 +15,7 @@ from collections import Counter
 from torch import nn
 
 from vllm_mla.memory import Ledger
-from vllm_mla.ops import absorbed_matmul
+from vllm_mla.ops import absorbed_matmul, query_fusion
 
 _post_load: list[tuple[str, str]] = []
 _query: Counter[str] = Counter()
@@ -38,13 +38,16 @@ def record_sparse(event: str) -> None:
 
 
 def snapshot() -> dict:
-    """This process's record: pid, post-loads in order, query-path, absorbed-BMM and
-    sparse counts (``absorbed``: ``path:role`` from ``vllm_mla.ops.absorbed_matmul.calls``)."""
+    """This process's record: pid, post-loads in order, query-path, absorbed-BMM, fused
+    query projection and sparse counts (``absorbed``: ``path:role`` from
+    ``vllm_mla.ops.absorbed_matmul.calls``; ``fused_query``: ``consumer:path`` per projection
+    and ``flushed:why`` per deferred bmm run late, from ``vllm_mla.ops.query_fusion.calls``)."""
     return {
         "pid": os.getpid(),
         "post_load": list(_post_load),
         "query": dict(_query),
         "absorbed": absorbed_matmul.calls(),
+        "fused_query": query_fusion.calls(),
         "sparse": dict(_sparse),
     }
 
@@ -55,6 +58,7 @@ def reset() -> None:
     _query.clear()
     _sparse.clear()
     absorbed_matmul.reset_calls()
+    query_fusion.reset_calls()
 
 
 def ledger_by_layer(model: nn.Module) -> dict[str, dict[str, int]]:

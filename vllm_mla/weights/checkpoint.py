@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from vllm_mla.formats import FP8_BLOCK
 from vllm_mla.geometry import RankGeometry
 from vllm_mla.quant import mxfp8
 
 KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.self_attn\.kv_b_proj\.(weight|weight_scale_inv|weight_scale)$"
 )
-FP8_BLOCK = 128
 
 
 class CheckpointError(ValueError):

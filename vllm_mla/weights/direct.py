@@ -32,7 +32,7 @@ from vllm_mla.ops.absorbed_matmul import MXFP8_ACT_DTYPES, MXFP8Weight
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.quant import layouts, mxfp8
 from vllm_mla.weights import faults, forms, readers
-from vllm_mla.weights.absorb import PostLoadError, layer_dims, state_of
+from vllm_mla.weights.lifecycle import PostLoadError, layer_dims, state_of
 from vllm_mla.weights.sources import holds_weights, owner_module, owner_tensors, prepare_release
 
 DIRECT_DECODES = ("mxfp8", "mxfp8-swizzled", "mxfp8-b12x")

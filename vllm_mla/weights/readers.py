@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_mla.formats import FP8_BLOCK
 from vllm_mla.quant import layouts, mxfp8
 from vllm_mla.weights import faults
 from vllm_mla.weights.device import resolve_device
 from vllm_mla.weights.sources import ChunkReader
 
-FP8_BLOCK = 128  # DeepSeek block-FP8 scale granularity
 SLACK = 64  # bytes per row for index and bookkeeping tensors
 
 

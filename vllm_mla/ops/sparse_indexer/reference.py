@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-INDEX_HEAD_DIM = 128  # index_head_dim of DeepSeek-V3.2 / GLM-5
+from vllm_mla.formats import E4M3_MAX, INDEX_HEAD_DIM, INDEX_RECORD_BYTES
+
 SCALE_BYTES = 4  # one float32 scale per key
-RECORD_BYTES = INDEX_HEAD_DIM + SCALE_BYTES  # 132: the cache's last dim
-E4M3_MAX = 448.0
+RECORD_BYTES = INDEX_RECORD_BYTES  # 132: the cache's last dim
 AMAX_FLOOR = 1e-4
 
 

@@ -16,7 +16,7 @@ Every op is a torch custom op (``vllm_mla::indexer_insert_keys``, ``_paged_logit
 grids and temporaries fixed by shapes and no host sync, so it can be captured in a CUDA
 graph. On CPU the Triton kernels run only under
 ``TRITON_INTERPRET=1``; there ``INTERPRET`` makes the dots fp32 (the interpreter's bf16
-dot is wrong, REFERENCE.md section 2). GPU code never takes those branches.
+dot is wrong: it rounds unlike a GPU's). GPU code never takes those branches.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from vllm_mla.ops.sparse_indexer.reference import (
     IndexerError,
     _check_cache,
 )
+from vllm_mla.ops.triton.bits import e4m3_to_f32, f32_to_e4m3
 
 # |paged_logits - reference.logits| <= LOGIT_RTOL * k_scale * sum_h |w_h| sum_d |q_hd k_d|
 # + LOGIT_ATOL. Operands are exact (e4m3 and bf16 values are bf16 values, their products
@@ -54,35 +55,6 @@ NUM_WARPS = 4
 _FLOOR = tl.constexpr(AMAX_FLOOR)  # 1e-4
 _E4M3_MAX = tl.constexpr(E4M3_MAX)  # 448.0
 _INT64_MIN = -(2**63)
-
-
-@triton.jit
-def _e4m3_to_f32(bits):
-    """float8_e4m3fn codes (uint8) -> fp32, exact, on the bits (no fp8 type: SM80 too)."""
-    b = bits.to(tl.int32)
-    mag = b & 0x7F
-    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)  # rebias 7 -> 127
-    sub = (mag & 7).to(tl.float32) * 0.001953125  # subnormal: m * 2**-9
-    val = tl.where(mag >= 8, normal, sub)
-    val = tl.where(mag == 0x7F, float("nan"), val)
-    return tl.where((b & 0x80) != 0, -val, val)
-
-
-@triton.jit
-def _f32_to_e4m3(x):
-    """fp32 -> float8_e4m3fn code exactly as torch casts (round to nearest even), for
-    |x| <= 464 (the quantizer's range: |x / scale| <= 448 up to one rounding)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = (bits >> 31).to(tl.int32) << 7
-    a = tl.abs(x)
-    # Below 2**-6 the grid is uniform (2**-9): adding 2**23 rounds to an integer, half to
-    # even, as every IEEE fp32 addition does.
-    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    abits = a.to(tl.uint32, bitcast=True)
-    # Keep 3 mantissa bits with round-to-nearest-even, then rebias the exponent 127 -> 7.
-    normal = ((abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20).to(tl.int32) - (120 << 3)
-    code = tl.where(a < 0.015625, sub, tl.minimum(normal, 0x7E))
-    return (sign | code).to(tl.uint8)
 
 
 @triton.jit
@@ -133,7 +105,7 @@ def _insert_keys_kernel(
     scale = tl.math.div_rn(tl.maximum(amax, _FLOOR), _E4M3_MAX)
     if UE8M0:
         scale = _ue8m0(scale)
-    code = _f32_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+    code = f32_to_e4m3(tl.math.div_rn(x, scale[:, None]))
     page = slot // block_size
     off = slot % block_size
     base = cache_ptr + page * s_page
@@ -180,7 +152,7 @@ def _paged_logits_kernel(
         base = cache_ptr + tl.where(valid, page, 0).to(tl.int64) * s_page
         off = pos % block_size
         d = tl.arange(0, 128)
-        k = _e4m3_to_f32(
+        k = e4m3_to_f32(
             tl.load(base[:, None] + off[:, None] * 128 + d[None, :], mask=valid[:, None], other=0)
         )
         if not INTERPRET:
@@ -195,7 +167,7 @@ def _paged_logits_kernel(
                 q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0
             )
             if Q_FP8:
-                q = _e4m3_to_f32(q)
+                q = e4m3_to_f32(q)
             if INTERPRET:
                 s = tl.dot(q.to(tl.float32), tl.trans(k))
             else:

@@ -4,7 +4,7 @@ A cache is ``[num_blocks, block_size, record]``; physical row ``r`` lives at
 ``cache[r // block_size, r % block_size]``, addressed through strides (dim 0 may be
 wider than a page: other layers' pages interleave). Two record formats:
 
-- ``fp8_ds_mla`` (FlashMLA, REFERENCE.md section 3), uint8, 656 bytes: bytes
+- ``fp8_ds_mla`` (FlashMLA's sparse cache format), uint8, 656 bytes: bytes
   ``[0, 512)`` e4m3 of ``kv_c / scale[i // 128]``, ``[512, 528)`` four fp32 scales,
   ``[528, 656)`` 64 bf16 post-RoPE ``k_pe``. ``kv_c[i] = e4m3[i] * scale[i // 128]``.
 - ``bf16``: ``[..., 576]`` bf16, ``kv_c`` (512) then ``k_pe`` (64); 1152 bytes.
@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mla.formats import (
+    DS_MLA_SCALE_GROUP,
+    E4M3_MAX,
+    FP8_DS_MLA_RECORD,
+    HEAD_DIM,
+    LATENT,
+    ROPE,
+)
+
 KV_FORMATS = ("fp8_ds_mla", "bf16")
-LATENT = 512  # kv_c, also the value / output width
-ROPE = 64
-HEAD_DIM = LATENT + ROPE  # 576
-SCALE_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_GROUP = DS_MLA_SCALE_GROUP  # fp8_ds_mla: one fp32 scale per 128 latent values
 FP8_SCALES_OFFSET = LATENT  # 512
 FP8_ROPE_OFFSET = LATENT + 4 * (LATENT // SCALE_GROUP)  # 528
-FP8_DS_MLA_RECORD = 656  # bytes: 512 e4m3 + 4 fp32 scales + 64 bf16 k_pe
 _RECORD = {"fp8_ds_mla": (torch.uint8, FP8_DS_MLA_RECORD), "bf16": (torch.bfloat16, HEAD_DIM)}
 
 

@@ -5,7 +5,7 @@ registered; mutates ``out``, ``lse``, ``scratch``), so torch.compile and CUDA gr
 see one opaque op. Implementations (``select_impl``):
 
 - ``b12x``: b12x's SM120/121 kernels. b12x needs a prepared plan bound to caller-owned
-  scratch (plan -> prepare/freeze -> bind -> run, REFERENCE.md section 9), which is the
+  scratch (plan -> prepare/freeze -> bind -> run), which is the
   backend's lifecycle, so the backend registers a runner with ``register_b12x_runner``;
   it is chosen only when b12x imports, reports the device supported, the device is
   SM120/121 and a runner is registered. Not exercised here (b12x is not installed).
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from vllm_mla import envs
+from vllm_mla.ops.base import TRITON_AVAILABLE
 from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
     SparseMLAError,
@@ -36,7 +37,6 @@ from vllm_mla.ops.sparse_mla.validate import Args, Query, validate
 IMPLS = ("auto", "b12x", "triton", "reference")
 B12X_CAPABILITIES = ((12, 0), (12, 1))
 TRITON_MIN_CAPABILITY = (8, 0)
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # Declared once: Triton on GPU (bf16 operands, fp32 accumulation) vs the fp32 reference.
 # Under the interpreter dots are fp32 and only the bf16 output rounding remains.
 # out: both sides round to bf16, <= 2 * 2**-8 = 7.8e-3 of the norm; the rest is for the GPU's

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from vllm_mla.ops.capture import capturing
+from vllm_mla.ops.dcp import NO_DCP, DCPShard
 from vllm_mla.ops.sparse_mla.formats import (
     HEAD_DIM,
     KV_FORMATS,
@@ -73,7 +74,9 @@ class SparseMLACaps:
     """Declared capacities of one sparse-MLA launch site (a layer group).
 
     ``token_buckets`` are the token counts prepared (graph-visible sizes); empty means
-    powers of two up to ``max_tokens`` plus ``max_tokens`` itself.
+    powers of two up to ``max_tokens`` plus ``max_tokens`` itself. ``dcp``: the bound
+    call takes request positions of a decode-context-parallel group (``ops.dcp``; the
+    Triton kernel's DCP variant is the one prepared).
     """
 
     max_tokens: int
@@ -86,6 +89,7 @@ class SparseMLACaps:
     with_lengths: bool = False
     return_lse: bool = False
     token_buckets: tuple[int, ...] = ()
+    dcp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "num_heads", "topk", "block_size"):
@@ -156,6 +160,7 @@ def launch_key(caps: SparseMLACaps, impl: str, num_tokens: int, device: torch.de
         caps.split_query,
         caps.with_lengths,
         caps.return_lse,
+        caps.dcp,
     )
 
 
@@ -311,7 +316,8 @@ class PreparationSession:
 
     def _probe_logical(self, plan, q, kv, logical, scratch, probes) -> None:
         """Launch the variant ``BoundCall`` runs (logical top-k mapped in the kernel, no
-        lengths, no lse) on the probes; its own probes are locals of this frame only."""
+        lengths; the lse when the plan returns it) on the probes; its own probes are
+        locals of this frame only."""
         from vllm_mla.ops.sparse_mla import triton_kernels
 
         caps, t = plan.caps, logical.shape[0]
@@ -319,12 +325,28 @@ class PreparationSession:
         req_id = torch.zeros(t, dtype=torch.int32, device=self.device)
         block_table = torch.arange(kv.shape[0], dtype=torch.int32, device=self.device)[None]
         out = torch.empty(t, caps.num_heads, LATENT, dtype=caps.q_dtype, device=self.device)
-        for name, tensor in (("req_id", req_id), ("block_table", block_table), ("out", out)):
+        lse = None
+        named = [("req_id", req_id), ("block_table", block_table), ("out", out)]
+        if caps.return_lse:
+            lse = torch.empty(t, caps.num_heads, dtype=torch.float32, device=self.device)
+            named.append(("lse", lse))
+        for name, tensor in named:
             probes.append((f"{name}[T={t}]", weakref.ref(tensor)))
         site = triton_kernels.LaunchSite(
             kv, caps.num_heads, caps.topk, caps.kv_format, HEAD_DIM**-0.5, caps.q_dtype
         )
-        site.launch(q_nope, q_pe, kv, logical, out, scratch, req_id=req_id, block_table=block_table)
+        site.launch(
+            q_nope,
+            q_pe,
+            kv,
+            logical,
+            out,
+            scratch,
+            lse=lse,
+            req_id=req_id,
+            block_table=block_table,
+            dcp=(2, 0, 1) if caps.dcp else NO_DCP.args,  # any group: the variant is one
+        )
 
     def freeze(self) -> None:
         """From now on an unprepared variant raises instead of compiling, and the b12x
@@ -443,11 +465,20 @@ class PreparationSession:
         *,
         softmax_scale: float,
         buffers: Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+        dcp: DCPShard = NO_DCP,
     ) -> BoundCall:
         """The decode-step call of ``plan`` (see ``BoundCall``); ``buffers(t)`` gives the
-        (scratch, out) for ``t`` tokens (None, None: the call allocates out)."""
+        (scratch, out) for ``t`` tokens (None, None: the call allocates out); ``dcp``:
+        this rank's DCP shard (logical calls then take request positions of the group),
+        for a plan that declares ``caps.dcp``."""
         self._check_live(plan)
-        return BoundCall(self, plan, float(softmax_scale), buffers)
+        if dcp.trivial == plan.caps.dcp:
+            raise ValueError(
+                f"sparse MLA bound call: a DCP shard of size {dcp.size} for a plan with "
+                f"caps.dcp={plan.caps.dcp} (declare dcp=True exactly when the group has "
+                "more than one rank, so its variant is prepared)"
+            )
+        return BoundCall(self, plan, float(softmax_scale), buffers, dcp)
 
     def _check_live(self, plan: SparseMLAPlan) -> None:
         if plan.plan_id in self._released:
@@ -465,10 +496,18 @@ class BoundCall:
     Triton kernels, the b12x runner (Triton for a call it does not serve) or the
     reference; forward_mqa -> ``run`` -> launch. Frozen sessions keep their guarantee:
     a variant the kernel compiles after ``freeze()`` raises.
+
+    Decode context parallelism (``dcp``, ``ops.dcp.DCPShard``): a logical call's top-k
+    holds request positions of the whole DCP group; the kernel attends to those this
+    rank holds (``maps_logical``); physical rows are the caller's to filter
+    (``selection.logical_to_physical(..., shard=)``). ``run(..., lse=)`` writes the
+    natural-log LSE vLLM merges the ranks by (a row with none of this rank's tokens:
+    out 0, lse -inf, the merge's identity: Triton and the reference; the backend does
+    not plan b12x under DCP).
     """
 
     __slots__ = (
-        *("_buffers", "_cache", "_caps", "_plan", "_scale", "_session", "_site"),
+        *("_buffers", "_cache", "_caps", "_dcp", "_plan", "_scale", "_session", "_site"),
         "maps_logical",
     )
 
@@ -478,8 +517,10 @@ class BoundCall:
         plan: SparseMLAPlan,
         softmax_scale: float,
         buffers: Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+        dcp: DCPShard = NO_DCP,
     ) -> None:
         self._session = session
+        self._dcp = dcp.args
         self._plan = plan
         self._caps = plan.caps
         self._scale = softmax_scale
@@ -520,13 +561,27 @@ class BoundCall:
         indices: torch.Tensor,
         req_id: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``out [T, H, 512]`` for ``indices [T, K]``: physical rows (the forward
         contract), or, with ``req_id`` (int32, >= T entries) and ``block_table`` (int32
         ``[requests, blocks]`` of the cache's block size) when :attr:`maps_logical`,
-        logical top-k positions mapped as ``selection.logical_to_physical`` maps them."""
+        logical top-k positions mapped as ``selection.logical_to_physical`` maps them
+        (with the call's DCP shard). ``lse``: fp32 ``[T, H]`` written with the natural-log
+        LSE (the plan must declare ``return_lse``, so its variant is prepared)."""
         caps = self._caps
         t = indices.shape[0]
+        if lse is not None and (
+            not caps.return_lse
+            or lse.dtype is not torch.float32
+            or lse.shape != (t, caps.num_heads)
+            or lse.stride(1) != 1
+        ):
+            raise ValueError(
+                f"sparse MLA lse: expected a plan with return_lse (got {caps.return_lse}) "
+                f"and fp32 [{t}, {caps.num_heads}] with unit head stride; got {lse.dtype} "
+                f"{tuple(lse.shape)} strides {lse.stride()}"
+            )
         if block_table is not None and (
             not self.maps_logical
             or block_table.dtype is not torch.int32
@@ -564,17 +619,28 @@ class BoundCall:
         if impl == "reference":
             from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
 
-            ref, _ = sparse_mla_reference(
+            ref, ref_lse = sparse_mla_reference(
                 (q_nope, q_pe), kv_cache, indices, self._scale, kv_format=caps.kv_format
             )
             out.copy_(ref)
+            if lse is not None:
+                lse.copy_(ref_lse)
             return out
         if impl == "b12x" and _b12x_run(
-            q_nope, q_pe, kv_cache, indices, out, scratch, self._scale, caps.kv_format
+            q_nope, q_pe, kv_cache, indices, out, scratch, self._scale, caps.kv_format, lse
         ):
             return out
         compiled = self._site.launch(
-            q_nope, q_pe, kv_cache, indices, out, scratch, req_id=req_id, block_table=block_table
+            q_nope,
+            q_pe,
+            kv_cache,
+            indices,
+            out,
+            scratch,
+            lse=lse,
+            req_id=req_id,
+            block_table=block_table,
+            dcp=self._dcp,
         )
         if compiled and self._session._frozen:
             raise SparseMLANotPrepared(
@@ -585,7 +651,7 @@ class BoundCall:
         return out
 
 
-def _b12x_run(q_nope, q_pe, kv_cache, indices, out, scratch, scale, kv_format) -> bool:
+def _b12x_run(q_nope, q_pe, kv_cache, indices, out, scratch, scale, kv_format, lse=None) -> bool:
     from vllm_mla.ops.sparse_mla import forward
 
     runner = forward._b12x_runner
@@ -599,7 +665,7 @@ def _b12x_run(q_nope, q_pe, kv_cache, indices, out, scratch, scale, kv_format) -
             indices,
             None,
             out,
-            None,
+            lse,
             scratch,
             softmax_scale=scale,
             kv_format=kv_format,

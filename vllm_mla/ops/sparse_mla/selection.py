@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from vllm_mla.ops.dcp import NO_DCP, DCPShard
+
 
 class SelectionUnavailable(RuntimeError):
     """Neither an indexer buffer nor an explicit buffer is available."""
@@ -83,19 +85,24 @@ def logical_to_physical(
     topk: torch.Tensor,
     block_size: int,
     out: torch.Tensor | None = None,
+    shard: DCPShard = NO_DCP,
 ) -> torch.Tensor:
-    """Torch reference of vLLM's ``triton_convert_req_index_to_global_index``.
+    """Torch reference of vLLM's ``triton_convert_req_index_to_global_index`` (and, with
+    a DCP ``shard``, of its ``triton_filter_and_convert_dcp_index`` with
+    ``compact_valid_to_front=False``).
 
     ``out[t, k] = block_table[req_id[t], topk[t, k] // block_size] * block_size
     + topk[t, k] % block_size``; -1 where ``topk`` is negative or its block is past the
     table. Physical row ``r`` is ``cache[r // block_size, r % block_size]``. With ``out``
-    (int32, ``topk``'s shape) the rows are written there and ``out`` is returned.
+    (int32, ``topk``'s shape) the rows are written there and ``out`` is returned. Under
+    DCP ``topk`` holds request positions: those another rank holds become -1, the rest
+    this rank's local positions (``DCPShard.to_local``), which its block table maps.
     """
     if topk.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise TypeError(f"topk, block_table: expected int32, got {topk.dtype}, {block_table.dtype}")
     if req_id.shape[0] != topk.shape[0]:
         raise ValueError(f"req_id: expected {topk.shape[0]} rows, got {req_id.shape[0]}")
-    logical = topk.long()
+    logical = shard.to_local(topk.long())
     block = logical.div(block_size, rounding_mode="floor")
     valid = (logical >= 0) & (block < block_table.shape[1])
     rows = req_id.long()[:, None].expand_as(block)

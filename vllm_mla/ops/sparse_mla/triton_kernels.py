@@ -31,7 +31,7 @@ splits for ``TARGET_PROGRAMS`` programs (T=32, H=16, K=2048: 8 splits x 256 rows
 256 programs for 132 SMs), at most ``MAX_SPLITS``, whole chunks per split.
 
 ``INTERPRET`` (Triton's CPU interpreter only, whose bf16 dot and fp32->bf16 cast are
-wrong, REFERENCE.md section 2) makes every dot fp32 and rounds the bf16 output on the
+wrong: they round unlike a GPU's) makes every dot fp32 and rounds the bf16 output on the
 bits. GPU code never takes those branches.
 """
 
@@ -47,23 +47,10 @@ import triton.language as tl
 from vllm_mla import envs
 from vllm_mla.ops.capture import capturing
 from vllm_mla.ops.sparse_mla.formats import SparseMLANotPrepared
-from vllm_mla.ops.triton.query_projection import _round_to_bf16
+from vllm_mla.ops.triton.bits import e4m3_to_f32, round_to_bf16
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _e4m3_to_f32(bits):
-    """float8_e4m3fn codes (uint8) -> fp32, exact, on the bits (no fp8 type: SM80 too)."""
-    b = bits.to(tl.int32)
-    mag = b & 0x7F
-    # Normal: exponent e (bias 7) -> e + 120 (bias 127), mantissa shifted up 20 bits.
-    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    sub = (mag & 7).to(tl.float32) * 0.001953125  # subnormal: m * 2**-9
-    val = tl.where(mag >= 8, normal, sub)
-    val = tl.where(mag == 0x7F, float("nan"), val)
-    return tl.where((b & 0x80) != 0, -val, val)
 
 
 @triton.jit
@@ -90,7 +77,7 @@ def _latent_piece(kv_ptr, base, valid, PIECE: tl.constexpr, FP8: tl.constexpr, P
     if FP8:
         scale_ptr = (kv_ptr + base + 512 + 4 * PIECE).to(tl.pointer_type(tl.float32))
         scale = tl.load(scale_ptr, mask=valid, other=0.0)
-        x = _e4m3_to_f32(x).to(tl.bfloat16)  # exact: e4m3 values are bf16 values
+        x = e4m3_to_f32(x).to(tl.bfloat16)  # exact: e4m3 values are bf16 values
     return x, scale
 
 
@@ -119,7 +106,7 @@ def _pv_piece(acc, alpha, p, kv_ptr, base, valid, PIECE: tl.constexpr, FP8, INTE
 @triton.jit
 def _store_out(ptr, rows, cols, mask, val, INTERPRET: tl.constexpr):
     if INTERPRET and ptr.dtype.element_ty == tl.bfloat16:
-        out = _round_to_bf16(val)
+        out = round_to_bf16(val)
     else:
         out = val.to(ptr.dtype.element_ty)
     tl.store(ptr + rows[:, None] + cols[None, :], out, mask=mask[:, None])
@@ -139,7 +126,7 @@ def _store_acc(ptr, rows, mask, acc0, acc1, acc2, acc3, inv_l, INTERPRET: tl.con
     # program; not specializing on them keeps the probes' variant the live one
     do_not_specialize=[
         *("T", "K", "split_len", "s_idx", "num_rows", "m_off", "l_off"),
-        *("req_ptr", "bt_ptr", "s_bt", "bt_width"),
+        *("req_ptr", "bt_ptr", "s_bt", "bt_width", "dcp_period", "dcp_start", "dcp_interleave"),
     ]
 )
 def _sparse_mla_split_kernel(
@@ -156,6 +143,9 @@ def _sparse_mla_split_kernel(
     bt_ptr,  # LOGICAL: int32 [requests, bt_width] block table
     s_bt,  # LOGICAL: block table row stride
     bt_width,  # LOGICAL: blocks per request row
+    dcp_period,  # DCP (ops.dcp.DCPShard): group size x interleave N * I
+    dcp_start,  # DCP: this rank's first position in a period, rank * I
+    dcp_interleave,  # DCP: cp_kv_cache_interleave_size I
     m_off,  # fp32 elements from the scratch base to the partial m [T, H, S]
     l_off,  # fp32 elements from the scratch base to the partial l [T, H, S]
     T,
@@ -181,6 +171,7 @@ def _sparse_mla_split_kernel(
     WRITE_LSE: tl.constexpr,
     HAS_ERR: tl.constexpr,
     LOGICAL: tl.constexpr,
+    DCP: tl.constexpr,  # LOGICAL rows are request positions of a DCP group
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -216,10 +207,20 @@ def _sparse_mla_split_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         rows = tl.load(idx_ptr + t64 * s_idx + ks, mask=ks < end, other=-1)
         if LOGICAL:
-            # vLLM's logical -> physical map (triton_convert_req_index_to_global_index),
-            # fused: negative or past the request's block table -> -1 (empty, uncounted)
-            mapped = (rows >= 0) & (rows < bt_width * block_size)
-            logical = tl.where(mapped, rows, 0)
+            # vLLM's logical -> physical map (triton_convert_req_index_to_global_index;
+            # under DCP triton_filter_and_convert_dcp_index), fused: negative, past the
+            # block table or (DCP) a request position another rank holds -> -1 (empty,
+            # uncounted); under DCP the rank's local position is what its table maps.
+            if DCP:  # rank r holds p when p % (N * I) is in [r * I, r * I + I)
+                turn = rows // dcp_period
+                off = rows - turn * dcp_period - dcp_start
+                held = (rows >= 0) & (off >= 0) & (off < dcp_interleave)
+                local = turn * dcp_interleave + off
+                mapped = held & (local < bt_width * block_size)
+                logical = tl.where(mapped, local, 0)
+            else:
+                mapped = (rows >= 0) & (rows < bt_width * block_size)
+                logical = tl.where(mapped, rows, 0)
             page = tl.load(bt_row + logical // block_size, mask=mapped, other=0)
             rows = tl.where(mapped, page * block_size + logical % block_size, -1)
         # INDEX_RULE: outside [-1, num_rows) reads as empty (never a stray read), counted
@@ -308,7 +309,7 @@ def _sparse_mla_combine_kernel(
     out = acc * tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     o_ptrs = out_ptr + t * s_o_t + h * s_o_h + cols
     if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(o_ptrs, _round_to_bf16(out))
+        tl.store(o_ptrs, round_to_bf16(out))
     else:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
     if WRITE_LSE:
@@ -572,6 +573,7 @@ class LaunchSite:
                 WRITE_LSE=flags[1],
                 HAS_ERR=flags[2],
                 LOGICAL=flags[3],
+                DCP=flags[4],
                 BLOCK_H=self.block_h,
                 BLOCK_K=BLOCK_K,
                 INTERPRET=self.interpret,
@@ -593,6 +595,7 @@ class LaunchSite:
         invalid: torch.Tensor | None = None,
         req_id: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None,
+        dcp: tuple[int, int, int] = (1, 0, 1),
     ) -> bool:
         """Run both kernels on validated arguments (``out [T, H, 512]`` written); True
         when the call's variant was new to the process (``compiled_variants()`` grew).
@@ -600,7 +603,12 @@ class LaunchSite:
         With ``req_id`` (int32, >= T entries) and ``block_table`` (int32 ``[requests,
         blocks]``, block size = the cache's) ``indices`` are LOGICAL top-k positions,
         mapped to physical rows in the kernel exactly as vLLM's conversion kernel maps
-        them (``selection.logical_to_physical`` is the torch reference).
+        them (``selection.logical_to_physical`` is the torch reference). ``dcp``:
+        ``DCPShard.args`` (size, rank, interleave) of this rank; with size > 1 the
+        logical positions are request positions of the whole DCP group and only those
+        this rank holds are attended (its local positions mapped through its block
+        table), the others are empty: one more variant (``DCP``), whatever the rank
+        (runtime values), and the non-DCP variant unchanged (no extra registers).
 
         A call whose variant this site already launched skips the variant bookkeeping
         (one dict lookup); a new one is checked against CUDA-graph capture first.
@@ -629,7 +637,9 @@ class LaunchSite:
             req_id, block_table, s_bt, bt_width = indices, indices, 0, 0
         s_qn, s_qp, s_out = q_nope.stride(), q_pe.stride(), out.stride()
         s_lse = lse.stride(0) if lse is not None else 0
-        flags = (lengths is not None, lse is not None, invalid is not None, logical)
+        dcp_on = logical and dcp[0] > 1
+        size, rank, interleave = dcp
+        flags = (lengths is not None, lse is not None, invalid is not None, logical, dcp_on)
         aligns = (
             q_nope.data_ptr() & 15,
             q_pe.data_ptr() & 15,
@@ -670,6 +680,9 @@ class LaunchSite:
             block_table,
             s_bt,
             bt_width,
+            size * interleave,
+            rank * interleave,
+            interleave,
             sp.m_off,
             sp.l_off,
             t,
@@ -718,8 +731,3 @@ class LaunchSite:
 def compiled_variants() -> frozenset[tuple]:
     """Kernel variants launched so far in this process (freeze check: compare sets)."""
     return frozenset(_compiled)
-
-
-def compiled_count() -> int:
-    """``len(compiled_variants())`` without copying the set (the per-step freeze check)."""
-    return len(_compiled)

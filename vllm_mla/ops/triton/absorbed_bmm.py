@@ -8,7 +8,7 @@ rows of ``[H * (P + V), L]`` read column-wise). For MXFP8 each element is decode
 rounded once to ``out``'s dtype.
 
 Under Triton's CPU interpreter (``INTERPRET``) bf16 dots and casts are wrong
-(REFERENCE.md section 2); that branch uses fp32 dots and bit-level rounding. GPU code
+(they round unlike a GPU's); that branch uses fp32 dots and bit-level rounding. GPU code
 never takes it.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_mla.ops.triton.query_projection import _round_to_bf16
+from vllm_mla.ops.triton.bits import round_to_bf16
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def absorbed_bmm_kernel(
         else:
             acc += tl.dot(a, w.to(a.dtype))
     if OUT_BF16:
-        val = _round_to_bf16(acc) if INTERPRET else acc.to(tl.bfloat16)
+        val = round_to_bf16(acc) if INTERPRET else acc.to(tl.bfloat16)
     else:
         val = acc.to(o_ptr.dtype.element_ty)
     tl.store(

@@ -12,8 +12,8 @@ import torch
 import triton
 
 from vllm_mla import envs
+from vllm_mla.ops.base import KernelNotPrewarmed, MXFP8Weight
 from vllm_mla.ops.capture import capturing
-from vllm_mla.ops.query_projection import MXFP8Weight, QueryProjectionNotPrewarmed
 from vllm_mla.ops.triton.absorbed_bmm import absorbed_bmm_kernel
 from vllm_mla.ops.triton.query_projection import mla_query_projection_kernel
 
@@ -31,7 +31,7 @@ def _tiles(m: int, latent: int, interpret: bool) -> tuple[int, int]:
 def _check_compiled(key: tuple, device: torch.device, what: str) -> None:
     """Raise instead of compiling a new variant while the stream is being captured."""
     if key not in _compiled and capturing(device):
-        raise QueryProjectionNotPrewarmed(
+        raise KernelNotPrewarmed(
             f"{what} was not compiled before CUDA-graph capture: run every captured M "
             "once outside capture first (vllm_mla.ops.prewarm / a warm-up step)"
         )

@@ -6,7 +6,7 @@ latent part; the last tile copies ``q_pe[:, h, :]``. With FP8 output every value
 (latent and rope) becomes ``e4m3(clamp(bf16_value / q_scale, -448, 448))``.
 
 The ``INTERPRET`` constexpr is on only under Triton's CPU interpreter, whose
-bf16 ``tl.dot`` and fp32 -> bf16 / fp8 casts are wrong (REFERENCE.md section 2);
+bf16 ``tl.dot`` and fp32 -> bf16 / fp8 casts are wrong (they round unlike a GPU's);
 it swaps in exact fp32 dots and bit-level round-to-nearest-even. GPU code never
 takes those branches.
 """
@@ -16,28 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_mla.formats import E4M3_MAX
+from vllm_mla.ops.triton.bits import f32_to_e4m3, round_to_bf16
 
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16 with round-to-nearest-even done on the bits (interpreter only)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
-@triton.jit
-def _e4m3_bits(x):
-    """fp32 -> float8_e4m3fn code, round-to-nearest-even, saturating at +-448 (interpreter only)."""
-    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << 7
-    a = tl.abs(x)
-    # Below 2**-6 the grid is uniform (step 2**-9): adding 2**23 rounds to an integer,
-    # half to even, as every IEEE fp32 addition does.
-    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    bits = a.to(tl.uint32, bitcast=True)
-    # Keep 3 mantissa bits with RNE, then rebias the exponent from 127 to 7.
-    rounded = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20).to(tl.int32) - (120 << 3)
-    code = tl.where(a < 0.015625, sub, tl.minimum(rounded, 0x7E))
-    return (sign | code).to(tl.uint8)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
@@ -46,9 +28,9 @@ def _to_output(val, q_scale, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
     if FP8_OUT:
         x = tl.math.div_rn(val.to(tl.float32), q_scale)
         if INTERPRET:
-            return _e4m3_bits(x).to(tl.float8e4nv, bitcast=True)  # saturates to +-448
+            return f32_to_e4m3(x).to(tl.float8e4nv, bitcast=True)  # saturates to +-448
         # Saturate explicitly: overflow behaviour of the cast is not Triton's contract.
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x, -_E4M3_MAX), _E4M3_MAX)
         return x.to(tl.float8e4nv)
     else:  # not a bare `return val`: Triton 3.6 types it too ("Inconsistent return types")
         return val
@@ -111,7 +93,7 @@ def mla_query_projection_kernel(
                 acc += tl.dot(q.to(tl.float32), w.to(tl.float32))
             else:
                 acc += tl.dot(q, w)
-        val = _round_to_bf16(acc) if INTERPRET else acc.to(tl.bfloat16)
+        val = round_to_bf16(acc) if INTERPRET else acc.to(tl.bfloat16)
         out = _to_output(val, q_scale, FP8_OUT, INTERPRET)
         tl.store(out_ptr + rows[:, None] * s_om + h * s_oh + cols[None, :], out, mask=row_ok)
     else:

@@ -8,8 +8,8 @@ the two agree and that every target exists in the installed vLLM):
     ``.MLAAttention.process_weights_after_loading``
     why: upstream keeps a quantized kv_b_proj and a BF16 copy of it, built after
     dequant scratch has churned the allocator (holes)
-    removal: when upstream preallocates the absorbed pair, bounds its scratch and
-    releases sources by backend capability
+    removal: when upstream MLA post-load preallocates the pair, bounds dequant scratch
+    and releases kv_b_proj by backend capability
 
 ``reload_released`` (feature ``lifecycle``, vLLM 0.32 and 0.33)
     target: ``vllm.model_executor.model_loader.reload.layerwise``
@@ -41,6 +41,13 @@ the two agree and that every target exists in the installed vLLM):
     why: a process that unpickles the config before loading plugins cannot resolve the
     plugin-made B12X_MLA_SPARSE enum member
     removal: when vLLM loads general plugins before it builds or unpickles configs
+
+``mtp_draft_backend`` (feature ``sparse``, vLLM 0.32 and 0.33)
+    target: ``vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer``
+    ``._create_draft_vllm_config``
+    why: an MTP draft never inherits its target's attention backend, and auto-selection
+    knows no out-of-tree one (on CPU: "Sparse Attention is not supported on CPU.")
+    removal: when vLLM lets a draft inherit an out-of-tree backend of its target
 
 ``cpu_sparse_backend`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
     target: ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``
@@ -216,6 +223,20 @@ PATCHES: tuple[Patch, ...] = (
         "registered to the same class",
         removal="when vLLM loads general plugins before it builds or unpickles configs",
         factory="vllm_mla.vllm.patches.sparse_backend_portable:make_try_verify_and_update_config",
+    ),
+    Patch(
+        name="mtp_draft_backend",
+        feature="sparse",
+        module="vllm.v1.spec_decode.llm_base_proposer",
+        qualname="SpecDecodeBaseProposer._create_draft_vllm_config",
+        params=("self",),
+        versions=SUPPORTED_VLLM,
+        why="an MTP draft never inherits its target's attention backend, and auto-selection "
+        "knows no out-of-tree backend",
+        how="after the original, a DSA draft whose backend was left unset gets the target's "
+        "B12X_MLA_SPARSE; an explicit speculative_config.attention_backend is kept",
+        removal="when vLLM lets a draft inherit an out-of-tree backend of its target",
+        factory="vllm_mla.vllm.patches.mtp_draft_backend:make_create_draft_vllm_config",
     ),
     Patch(
         name="cpu_sparse_backend",

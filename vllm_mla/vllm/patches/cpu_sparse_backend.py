@@ -8,7 +8,7 @@ before the selected backend is looked at.
 How: when the selector asks for sparse MLA and the selected backend is B12X_MLA_SPARSE
 (by name, or CUSTOM registered to it), return its class path; everything else goes to
 the original untouched (so the error stays for every other backend).
-Removal: when vLLM's CPU platform lets a selected out-of-tree sparse backend through.
+Removal: when the CPU platform lets a selected out-of-tree sparse backend through.
 """
 
 from __future__ import annotations

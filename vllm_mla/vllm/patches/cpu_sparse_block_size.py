@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from vllm_mla.formats import PAGE_ROWS  # the only page size vLLM's DSA indexer cache takes
 from vllm_mla.vllm.sparse.registration import is_sparse_model, selects_ours
 
 logger = logging.getLogger("vllm_mla")
-PAGE_ROWS = 64  # B12X_MLA_SPARSE pages; the only size vLLM's DSA indexer cache takes
 
 
 def make_check_and_update_config(original: Callable) -> Callable:

@@ -12,13 +12,16 @@ the backend's capability allows it and no dense MHA prefill calls kv_b_proj), or
 (``vllm_mla.weights.direct``; refused with the reason where it cannot serve); where the
 safe BMM is needed (``needs_safe_bmm``) the pair is then bound as routed weights
 (``vllm_mla.weights.route``), so every bmm vLLM runs on it takes our op; the rest
-of upstream's tail (DCP query copy, default quant scales) runs as upstream does. A
+of upstream's tail (DCP query copy, default quant scales) runs as upstream does; last,
+``vllm_mla.vllm.fused_query.bind`` routes W_UK_T to the fused query projection where
+``VLLM_MLA_QUERY`` and the layer allow it (every post-load, reloads included). A
 dense kv_b_proj already in the activation dtype that must stay is aliased as upstream
 does (no copy, no scratch: nothing to gain). Delegated untouched to the original: AMX
 and ROCm aiter BMM layers (they own their weights) and any kv_b_proj form the matrix
 does not know (named once per process in the log). Every call is recorded in
 ``vllm_mla.vllm.telemetry`` (layer name and action, or why delegated).
-Removal: when upstream adopts the same allocation order and capability-gated release.
+Removal: when upstream MLA post-load preallocates the pair, bounds dequant scratch and
+releases kv_b_proj by backend capability.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 
 from vllm_mla import envs
 from vllm_mla.backends import capabilities_for, lifecycle_config
-from vllm_mla.vllm import telemetry, wake_check
+from vllm_mla.vllm import fused_query, telemetry, wake_check
 from vllm_mla.weights import LifecycleConfig, PostLoadError, forms, post_load
 from vllm_mla.weights.absorb import state_of
 from vllm_mla.weights.direct import DIRECT_DECODES, DirectModeError
@@ -168,6 +171,7 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
             telemetry.record_post_load(name, f"delegated: {reason}")
             result = original(self, act_dtype)
             _bind_route(self, name)
+            fused_query.bind(self, name)
             wake_check.STATE.register(self, name)
             return result
         config = layer_config(self)
@@ -187,6 +191,7 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
         telemetry.record_post_load(name, report.action)
         if config.absorbed == "bf16":
             _bind_route(self, name)
+        fused_query.bind(self, name)  # VLLM_MLA_QUERY: the deferred query bmm and its consumer
         wake_check.STATE.register(self, name)  # after every (re)load: allocates nothing
 
     process_weights_after_loading.__doc__ = original.__doc__

@@ -15,7 +15,7 @@ everywhere else the original runs untouched. The decision is made once per layer
 A layer whose W_UV is routed (``AbsorbedWeight``: safe mode bound by the post-load
 patch, or direct mode) runs the original, whose bmm already goes through our op; this
 patch covers layers without the route (the ``lifecycle`` feature off).
-Removal: when cuBLAS (or upstream's _v_up_proj) is safe on strided operands on SM12x.
+Removal: when cuBLAS or upstream's _v_up_proj is safe on SM12x.
 """
 
 from __future__ import annotations

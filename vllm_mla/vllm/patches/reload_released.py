@@ -4,13 +4,13 @@ Target: ``vllm.model_executor.model_loader.reload.layerwise
 ._copy_and_restore_kernel_tensors(layer, info)`` (vLLM 0.32, 0.33).
 Why: reload copies freshly processed tensors into the parameters that existed
 before (``param.data.copy_``) to keep CUDA-graph addresses; a kv_b_proj source the
-lifecycle released is an empty placeholder, so that copy fails on shape.
+lifecycle released is an empty placeholder, so that copy fails on shape (upstream's own
+AMX release of kv_b_proj.weight hits the same copy).
 How: for placeholders the lifecycle marked as released (and only those), the
 parameter object is rebound to the fresh tensor first; the original then runs
 unchanged, and the attention layer's post-load re-materializes the absorbed pair in
 place and releases the source again.
-Removal: when vLLM's reload rebinds size-changed kernel tensors itself (upstream's
-own AMX release of kv_b_proj.weight hits the same copy).
+Removal: when vLLM's reload rebinds size-changed kernel tensors itself.
 """
 
 from __future__ import annotations

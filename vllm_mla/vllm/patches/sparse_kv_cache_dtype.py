@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-BACKEND = "B12X_MLA_SPARSE"
+from vllm_mla.formats import SPARSE_BACKEND
+
+BACKEND = SPARSE_BACKEND
 TO_FP8_DS_MLA = ("fp8", "fp8_e4m3")
 
 

@@ -3,6 +3,7 @@
 Sparse MLA (DeepSeek-V3.2 / GLM-5 DSA), head size 576, MQA-only (every token goes
 through ``forward_mqa`` with top-k selection; no dense MHA prefill), KV cache
 ``fp8_ds_mla`` (656-byte records) or bf16, kernel pages of 64 rows, SM80 and newer.
+Decode context parallelism: served (``supports_dcp`` reads the impl's; see its module).
 Never auto-selected: ``--attention-backend B12X_MLA_SPARSE`` (or ``CUSTOM``).
 """
 
@@ -14,17 +15,17 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows
 
+from vllm_mla.formats import HEAD_DIM, PAGE_ROWS, SPARSE_BACKEND  # the kernels read 64-row pages
+
 if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-NAME = "B12X_MLA_SPARSE"
-PAGE_ROWS = 64  # the kernels read the cache as 64-row pages
+NAME = SPARSE_BACKEND
 MIN_CAPABILITY = 8  # SM80: the portable Triton kernel's floor
-# What the backend serves after canonicalisation (fp8/auto -> fp8_ds_mla, see the
-# sparse_kv_cache_dtype patch) and what a user may pass before it.
-SERVED_KV_CACHE_DTYPES = ("fp8_ds_mla", "bfloat16")
+# What a user may pass (canonicalised by the sparse_kv_cache_dtype patch: fp8 and auto
+# -> fp8_ds_mla, bfloat16 kept).
 ACCEPTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
 
 
@@ -56,7 +57,7 @@ class B12XMLASparseBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [576]
+        return [HEAD_DIM]
 
     @classmethod
     def is_mla(cls) -> bool:
@@ -95,8 +96,6 @@ class B12XMLASparseBackend(AttentionBackend):
             return None
         if config.attention_config.hisparse_config is not None:
             return f"{NAME} does not serve HiSparse (host-offloaded) KV caches"
-        if config.parallel_config.decode_context_parallel_size > 1:
-            return f"{NAME} does not support decode context parallelism yet"
         if config.model_config is not None:
             hf = config.model_config.hf_text_config
             if getattr(hf, "index_topk", None) is None:

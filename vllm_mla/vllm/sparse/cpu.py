@@ -10,9 +10,12 @@ non-AVX512-BF16 builds lack. Two of vLLM's extension APIs put ours in its place:
   (``vllm_mla.ops.sparse_indexer``: index-key quantize + insert, logits, top-k for any
   K) for V3.2-style indexers and hands DeepSeek-V4's (``skip_k_cache_insert``) to vLLM's
   own ``forward_cpu``.
-- ``vllm.triton_utils.dispatcher.register_kernels``: a torch stand-in for the indexer
-  metadata builder's ``BuildPrefillChunkMetadataKernel`` (Triton, which vLLM CPU runs
-  without).
+- ``vllm.triton_utils.dispatcher.register_kernels``: torch stand-ins for the indexer
+  metadata builder's Triton kernels, which vLLM CPU runs without:
+  ``BuildPrefillChunkMetadataKernel`` (every prefill chunk) and
+  ``PrepareUniformDecodeKernel`` (speculative decoding with more draft tokens than the
+  native decode path takes, e.g. MTP with 3: each request's rows flattened to one row per
+  token).
 
 Both happen once per process, only on a CPU platform without Triton.
 """
@@ -23,10 +26,12 @@ import logging
 
 import torch
 
+from vllm_mla.ops.dcp import DCPShard
 from vllm_mla.vllm.sparse import indexer
 
 logger = logging.getLogger("vllm_mla")
 PREFILL_KERNEL = "vllm.v1.attention.backends.mla.indexer.BuildPrefillChunkMetadataKernel.kernel"
+DECODE_KERNEL = "vllm.v1.attention.backends.mla.indexer.PrepareUniformDecodeKernel.kernel"
 _registered: str | None = None
 
 
@@ -47,9 +52,10 @@ def build_prefill_chunk_metadata(
     COMPRESS_RATIO: int = 1,
 ) -> None:
     """The kernel's outputs, in torch: per token ``ks`` = its request's row start, ``ke`` =
-    row start + causal context length (compressed); ``token_to_seq`` per gathered key."""
-    if DCP_WORLD > 1:
-        raise NotImplementedError("the CPU DSA indexer does not support DCP")
+    row start + causal context length (compressed); ``token_to_seq`` per gathered key.
+    Under DCP (``DCP_WORLD`` > 1) the row starts are this rank's and the context length
+    is the part of it this rank holds (``DCPShard.local_length``, the kernel's formula)."""
+    shard = DCPShard(int(DCP_WORLD), int(DCP_RANK), int(DCP_INTERLEAVE))
     num_reqs = uncompressed_seq_lens_ptr.numel()
     for req in range(num_reqs):
         q0, q1 = int(query_start_loc_ptr[req]), int(query_start_loc_ptr[req + 1])
@@ -61,10 +67,39 @@ def build_prefill_chunk_metadata(
         keep = (absolute >= query_slice_start) & (absolute < query_slice_stop)
         out = (absolute - query_slice_start)[keep]
         context = (start_pos + 1 + torch.arange(q1 - q0))[keep] // COMPRESS_RATIO
+        context = shard.local_length(context)
         cu_compressed_seq_len_ks_ptr[out] = row_start
         cu_compressed_seq_len_ke_ptr[out] = (row_start + context).to(
             cu_compressed_seq_len_ke_ptr.dtype
         )
+
+
+def prepare_uniform_decode(
+    seq_lens_ptr: torch.Tensor,
+    decode_seq_lens_ptr: torch.Tensor,
+    block_table_ptr: torch.Tensor,
+    block_table_stride: int,
+    expanded_block_table_ptr: torch.Tensor,
+    expanded_bt_stride: int,
+    decode_lens_ptr: torch.Tensor,
+    max_decode_len: int,
+    BLOCK_SIZE: int = 0,  # the kernel's own parameter names: launches bind by name
+) -> None:
+    """The kernel's outputs, in torch: every request's ``max_decode_len`` decode tokens
+    flattened to one row each, token ``j`` of request ``b`` attending to ``seq_lens[b] -
+    max_decode_len + j + 1`` keys (clamped at 0), with its request's block-table row and a
+    decode length of 1. The launch grid (one program per token) is not passed: it is
+    ``seq_lens_ptr.numel() * max_decode_len``, as the builder hands exactly its decode
+    requests' lengths."""
+    requests = seq_lens_ptr.numel()
+    tokens = requests * max_decode_len
+    offsets = torch.arange(1 - max_decode_len, 1, device=seq_lens_ptr.device)
+    per_token = (seq_lens_ptr.reshape(-1, 1) + offsets).clamp_min(0)
+    decode_seq_lens_ptr[:tokens] = per_token.reshape(-1).to(decode_seq_lens_ptr.dtype)
+    width = min(block_table_ptr.shape[-1], expanded_block_table_ptr.shape[-1])
+    rows = block_table_ptr.reshape(requests, -1)[:, :width]
+    expanded_block_table_ptr[:tokens, :width] = rows.repeat_interleave(max_decode_len, dim=0)
+    decode_lens_ptr[:tokens] = 1
 
 
 def register() -> str:
@@ -78,7 +113,11 @@ def register() -> str:
     if not HAS_TRITON:
         from vllm.triton_utils.dispatcher import register_kernels
 
-        register_kernels({PREFILL_KERNEL: build_prefill_chunk_metadata})
-        done.append("indexer prefill-chunk metadata in torch (register_kernels)")
+        register_kernels(
+            {PREFILL_KERNEL: build_prefill_chunk_metadata, DECODE_KERNEL: prepare_uniform_decode}
+        )
+        done.append(
+            "indexer prefill-chunk and flattened-decode metadata in torch (register_kernels)"
+        )
     _registered = "; ".join(done)
     return _registered

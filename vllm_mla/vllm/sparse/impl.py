@@ -1,6 +1,6 @@
 """``B12XMLASparseImpl``: vLLM's sparse-MLA impl contract, none of its generic owners.
 
-What it does (vLLM 0.33, REFERENCE.md section 9):
+What it does (vLLM 0.33's impl contract):
 
 - MQA-only (``supports_dense_mha_prefill=False``): the layer sets no prefill backend
   and every token reaches ``forward_mqa``; the lifecycle then releases kv_b_proj's
@@ -18,6 +18,19 @@ What it does (vLLM 0.33, REFERENCE.md section 9):
   b12x imports), so ``select_impl`` picks b12x on SM120/121.
 - Scratch: from vLLM's workspace manager (shared across layers), sized from the
   declared capacities; reserved during the profile run.
+- Decode context parallelism (``decode_context_parallel_size`` N > 1, any
+  ``cp_kv_cache_interleave_size`` vLLM allows): vLLM gathers the query heads of the DCP
+  group (``forward_mqa`` sees N x the layer's heads), the indexer selects request
+  positions of the whole group, and each rank attends to the selected positions its
+  shard holds (``ops.dcp.DCPShard``: filtered and localized in the Triton kernel, or by
+  ``logical_to_physical`` for the physical-row plans), returning ``(out, lse)`` with the
+  natural-log LSE ``[T, N*H]`` (token-major, fp32; a row with none of this rank's tokens:
+  out 0, lse -inf) that vLLM's ``dcp_manager.combine`` merges. b12x declines DCP
+  (``serving_impl``): its empty-row contract is unverified, and under DCP a row with none
+  of a rank's tokens is routine, so Triton serves. Not served, refused at start-up with
+  the setting named: PCP (vLLM, by ``supports_pcp``), DCP together with speculative
+  decoding (``refuse_unserved_dcp``). On vLLM CPU two of vLLM's DCP kernels are Triton or
+  refuse context parallelism; ``cpu_dcp`` stands in for them.
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.v1.attention.backend import AttentionType, MLAAttentionImpl
 
+from vllm_mla.formats import HEAD_DIM, ROPE
+from vllm_mla.ops.dcp import NO_DCP, DCPShard
 from vllm_mla.ops.sparse_mla import (
     LATENT,
     PreparationSession,
@@ -47,8 +62,15 @@ logger = logging.getLogger("vllm_mla")
 
 KV_FORMAT_OF = {"fp8_ds_mla": "fp8_ds_mla", "auto": "bf16", "bfloat16": "bf16"}
 SERVED_MODEL_DTYPES = (torch.bfloat16, torch.float32)  # queries the op takes
+# (scratch, out [T, H, 512], lse [T, H] fp32 under DCP else None) of one step
+StepBuffers = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 _sessions: dict[torch.device, PreparationSession] = {}
-_plans: dict[tuple[torch.device, SparseMLACaps], SparseMLAPlan] = {}
+_plans: dict[tuple[torch.device, SparseMLACaps, str | None], SparseMLAPlan] = {}
+B12X_DCP_DECLINED = (
+    "b12x declines DCP: a row with none of this rank's selected tokens must give out 0 and "
+    "lse -inf (the identity of vLLM's LSE merge), unverified for b12x, and routine under "
+    "DCP; the Triton kernel serves"
+)
 
 
 def session_for(device: torch.device) -> PreparationSession:
@@ -58,17 +80,75 @@ def session_for(device: torch.device) -> PreparationSession:
     return _sessions[device]
 
 
-def plan_for(device: torch.device, caps: SparseMLACaps) -> SparseMLAPlan:
-    """One plan per (device, capacities): layers with equal capacities share it."""
-    key = (device, caps)
+def plan_for(device: torch.device, caps: SparseMLACaps, impl: str | None = None) -> SparseMLAPlan:
+    """One plan per (device, capacities, implementation; None: the device's choice):
+    layers with equal capacities share it."""
+    key = (device, caps, impl)
     if key not in _plans:
-        _plans[key] = session_for(device).plan(caps)
+        _plans[key] = session_for(device).plan(caps, impl)
     return _plans[key]
+
+
+def serving_impl(chosen: str, dcp_world_size: int = 1) -> str:
+    """The implementation this backend's plans use where the kernel chooses ``chosen``
+    (``select_impl``): the same, except that under DCP b12x declines
+    (``B12X_DCP_DECLINED``) and Triton serves."""
+    impl = chosen
+    if impl == "b12x" and dcp_world_size > 1:
+        logger.info("vllm-mla: %s: %s", NAME, B12X_DCP_DECLINED)
+        return "triton"
+    return impl
+
+
+def dcp_shard(dcp_world_size: int, dcp_rank: int, parallel_config: object = None) -> DCPShard:
+    """This rank's ``DCPShard``: vLLM's DCP size and rank, ``parallel_config``'s
+    ``cp_kv_cache_interleave_size`` (1 without one). vLLM may adjust the interleave after
+    the layers are built (``adjust_dcp_kv_cache_interleave_size``, before any forward),
+    so callers read it again when they bind their first forward."""
+    if dcp_world_size <= 1:
+        return NO_DCP
+    interleave = int(getattr(parallel_config, "cp_kv_cache_interleave_size", 1))
+    return DCPShard(int(dcp_world_size), int(dcp_rank), interleave)
+
+
+def refuse_unserved_dcp(shard: DCPShard) -> None:
+    """Start-up refusal (at model construction) of what this backend does not serve under
+    DCP, naming the setting: speculative decoding (its ragged decode batches are not
+    served by the DCP indexer path, and DCP + MTP is untested)."""
+    if shard.trivial:
+        return
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is not None and config.speculative_config is not None:
+        raise NotImplementedError(
+            f"{NAME}: decode_context_parallel_size={shard.size} together with "
+            "speculative_config (speculative decoding, e.g. MTP) is not served; disable "
+            "one of them"
+        )
+
+
+def _dcp_on_this_platform() -> None:
+    """vLLM CPU runs DCP with two torch stand-ins (``cpu_dcp``), installed here: after
+    vLLM's worker registered its own CPU kernels, before the first step."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm_mla.vllm.sparse import cpu_dcp
+
+        cpu_dcp.install()
+
+
+def _parallel_config() -> object:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return None if config is None else config.parallel_config
 
 
 def reset_sessions() -> None:
     """Forget every session and plan (tests; a process that unloads the model)."""
-    for (device, _), plan in list(_plans.items()):
+    for (device, *_), plan in list(_plans.items()):
         _sessions[device].release(plan)
     _plans.clear()
     _sessions.clear()
@@ -109,6 +189,10 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     supports_dense_mha_prefill: ClassVar[bool] = False
     supports_quant_query_input: bool = False
     supports_pcp: bool = False
+    # DCP: forward_mqa returns the natural-log decode LSE (lse_base_on_e) of this rank's
+    # shard when vLLM sets need_to_return_lse_for_decode (module docstring).
+    can_return_lse_for_decode: bool = True
+    supports_dcp: bool = True
     # upstream reads these off sparse impls
     masked_mha_available: bool = False
     index_group = None
@@ -138,7 +222,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             raise NotImplementedError(f"{NAME}: no alibi, sliding window or soft cap")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"{NAME}: decoder self-attention only, got {attn_type}")
-        if (head_size, kv_lora_rank, qk_rope_head_dim) != (576, 512, 64):
+        if (head_size, kv_lora_rank, qk_rope_head_dim) != (HEAD_DIM, LATENT, ROPE):
             raise ValueError(
                 f"{NAME}: expected head_size 576 = kv_lora_rank 512 + rope 64, got "
                 f"{head_size} = {kv_lora_rank} + {qk_rope_head_dim}"
@@ -168,12 +252,21 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         # installed, SM120/121 gets its kernels; without it this is a no-op.
         b12x_runner.install()
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
-        self.caps = self._declare_caps(num_heads, topk_indices_buffer, indexer)
+        # dcp_world_size / dcp_rank: set by vLLM's AttentionImplBase.__new__
+        self._parallel = _parallel_config()  # vLLM's object: its interleave is read again
+        self.dcp = dcp_shard(self.dcp_world_size, self.dcp_rank, self._parallel)
+        refuse_unserved_dcp(self.dcp)
+        if not self.dcp.trivial:
+            _dcp_on_this_platform()
+        # Under DCP vLLM gathers the query heads of the whole DCP group (query_gather).
+        self.caps = self._declare_caps(
+            num_heads * self.dcp.size, topk_indices_buffer, indexer, dcp=not self.dcp.trivial
+        )
         self.plan: SparseMLAPlan | None = None
         self.session: PreparationSession | None = None
         self._call: BoundCall | None = None
-        self._locked_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._step_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._locked_buffers: StepBuffers | None = None
+        self._step_buffers: dict[int, StepBuffers] = {}
 
     # -- selection: only the indexer reference when the indexer owns the buffer ------
     def init_topk_indices_buffer(
@@ -194,7 +287,11 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
 
     # -- capacities, preparation, scratch ---------------------------------------------
     def _declare_caps(
-        self, num_heads: int, buffer: torch.Tensor | None, indexer: object | None
+        self,
+        num_heads: int,
+        buffer: torch.Tensor | None,
+        indexer: object | None,
+        dcp: bool = False,
     ) -> SparseMLACaps:
         from vllm.config import get_current_vllm_config_or_none
 
@@ -219,7 +316,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             kv_format=self.kv_format,
             block_size=block_size,
             q_dtype=self.model_dtype,
+            return_lse=dcp,  # DCP: vLLM merges the ranks by it
             token_buckets=buckets,
+            dcp=dcp,
         )
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -230,7 +329,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
 
     def _bind_plan(self, device: torch.device) -> PreparationSession:
         self.session = session_for(device)
-        self.plan = plan_for(device, self.caps)
+        chosen = self.session.kernel.select_impl(device)
+        impl = serving_impl(chosen, self.dcp.size)
+        self.plan = plan_for(device, self.caps, None if impl == chosen else impl)
         self._call = None  # the next forward binds a call to this plan
         self._locked_buffers = None
         self._step_buffers = {}
@@ -273,10 +374,11 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         write_records(kv_c_normed, k_pe, kv_cache, slot_mapping, self.kv_format)
         telemetry.record_sparse(f"kv_write:{self.kv_format}")
 
-    def _workspace(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(scratch, out buffer [max_tokens, H, 512]) from vLLM's shared workspace, or None
-        without one (then the call allocates its output). Once vLLM locks the workspace
-        (after capture) the views are kept: it no longer moves."""
+    def _workspace(self) -> StepBuffers | None:
+        """(scratch, out buffer [max_tokens, H, 512], lse buffer [max_tokens, H] fp32 under
+        DCP else None) from vLLM's shared workspace, or None without one (then the call
+        allocates its output). Once vLLM locks the workspace (after capture) the views
+        are kept: it no longer moves."""
         if self._locked_buffers is not None:
             return self._locked_buffers
         from vllm.v1.worker.workspace import (
@@ -291,10 +393,14 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         if locked and not self.session.frozen:
             self.session.freeze()  # vLLM locks its workspace after capture: compiling is over
         caps = self.caps
-        buffers = manager.get_simultaneous(
+        specs = [
             ((max(self.plan.scratch_bytes, 16),), torch.uint8),
             ((caps.max_tokens, caps.num_heads, LATENT), caps.q_dtype),
-        )
+        ]
+        if caps.return_lse:
+            specs.append(((caps.max_tokens, caps.num_heads), torch.float32))
+        views = manager.get_simultaneous(*specs)
+        buffers = (views[0], views[1], views[2] if caps.return_lse else None)
         if locked:
             self._locked_buffers = buffers
         return buffers
@@ -303,17 +409,31 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         buffers = self._workspace()
         return None if buffers is None else buffers[0]
 
-    def _buffers(self, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _step(self, num_tokens: int) -> StepBuffers:
+        """(scratch, out [T, H, 512], lse [T, H] under DCP) for ``num_tokens`` tokens."""
         hit = self._step_buffers.get(num_tokens)  # filled once the workspace is locked
         if hit is not None:
             return hit
         buffers = self._workspace()
         if buffers is None:
-            return None, None
-        step = (buffers[0], buffers[1][:num_tokens])
+            return None, None, None
+        lse = buffers[2]
+        step = (buffers[0], buffers[1][:num_tokens], None if lse is None else lse[:num_tokens])
         if self._locked_buffers is not None:  # locked: the views never move again
             self._step_buffers[num_tokens] = step
         return step
+
+    def _buffers(self, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """BoundCall's (scratch, out) for ``num_tokens`` tokens."""
+        step = self._step(num_tokens)
+        return step[0], step[1]
+
+    def _lse(self, num_tokens: int, like: torch.Tensor) -> torch.Tensor:
+        """The DCP lse buffer ``[T, H]`` fp32 (the workspace's; allocated without one)."""
+        lse = self._step(num_tokens)[2]
+        if lse is None:
+            lse = like.new_empty((num_tokens, self.caps.num_heads), dtype=torch.float32)
+        return lse
 
     # -- forward ----------------------------------------------------------------------
     def forward_mqa(
@@ -323,13 +443,16 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         attn_metadata: Any,
         layer: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sparse attention of all tokens: (out [T, H, 512], None).
+        """Sparse attention of all tokens: (out [T, H, 512], None), or under DCP (out, lse
+        [T, H] fp32 natural log) over the selected tokens this rank holds.
 
         Three hops to the launch: here -> ``BoundCall.run`` -> the kernel's launch. The
-        output is a view of vLLM's shared workspace (consumed by the V up-projection
-        before any other layer runs), so a step allocates nothing. With the Triton plan
-        the kernel maps the logical top-k through the block table itself (no conversion
-        kernel, no physical-row buffer); b12x and the reference take physical rows.
+        output (and the lse) is a view of vLLM's shared workspace (consumed by the DCP
+        combine and the V up-projection before any other layer runs), so a step
+        allocates nothing. With the Triton plan the kernel maps the logical top-k through
+        the block table itself (no conversion kernel, no physical-row buffer; under DCP
+        it also drops the positions other ranks hold); b12x and the reference take
+        physical rows.
         """
         if isinstance(q, tuple):
             q_nope, q_pe = q
@@ -341,6 +464,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         if call is None:
             call = self._bind_call(kv_c_and_k_pe_cache, attn_metadata.block_size)
         telemetry.record_sparse(self._forward_event)
+        lse = self._lse(num_tokens, q_nope) if self.caps.return_lse else None
         if call.maps_logical:
             out = call.run(
                 q_nope,
@@ -349,8 +473,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
                 logical,
                 attn_metadata.req_id_per_token,
                 attn_metadata.block_table,
+                lse=lse,
             )
-            return out, None
+            return out, lse
         rows = getattr(attn_metadata, "physical_indices", None)  # the builder's buffer
         physical = convert_to_physical(
             attn_metadata.req_id_per_token[:num_tokens],
@@ -358,8 +483,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             logical,
             attn_metadata.block_size,
             out=None if rows is None else rows[:num_tokens, : logical.shape[1]],
+            shard=self.dcp,
         )
-        return call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical), None
+        return call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical, lse=lse), lse
 
     def _bind_call(self, kv_cache: torch.Tensor, block_size: int) -> BoundCall:
         if block_size != kv_cache.shape[1]:
@@ -370,8 +496,11 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         if self.session is None or self.plan is None:  # post-load did not run (impl alone)
             self._bind_plan(kv_cache.device)
         self._forward_event = f"forward_mqa:{self.plan.impl}"  # type: ignore[union-attr]
+        self.dcp = dcp_shard(self.dcp_world_size, self.dcp_rank, self._parallel)  # final now
+        if not self.dcp.trivial:
+            self._forward_event += f":dcp{self.dcp.rank}/{self.dcp.size}"
         self._call = self.session.bound_call(  # type: ignore[union-attr]
-            self.plan, softmax_scale=self.scale, buffers=self._buffers
+            self.plan, softmax_scale=self.scale, buffers=self._buffers, dcp=self.dcp
         )
         return self._call
 
@@ -402,12 +531,16 @@ def convert_to_physical(
     logical: torch.Tensor,
     block_size: int,
     out: torch.Tensor | None = None,
+    shard: DCPShard = NO_DCP,
 ) -> torch.Tensor:
     """Logical top-k -> physical rows ``block * block_size + offset`` (-1 kept), into
-    ``out`` when given (no allocation: the metadata builder owns the buffer)."""
-    if logical.is_cuda:
+    ``out`` when given (no allocation: the metadata builder owns the buffer). Under DCP
+    (``shard``) the top-k holds request positions of the group: those another rank holds
+    become -1 (``logical_to_physical``, on any device: only the reference plan takes
+    physical rows under DCP, b12x declining it)."""
+    if logical.is_cuda and shard.trivial:
         return convert_with_vllm(req_id, block_table, logical, block_size, out)
-    return logical_to_physical(req_id, block_table, logical, block_size, out=out)
+    return logical_to_physical(req_id, block_table, logical, block_size, out=out, shard=shard)
 
 
 def convert_with_vllm(

@@ -19,8 +19,11 @@ out-of-tree class):
   each token's block table, exact top-k), all tensor ops: no host sync, no
   data-dependent shape (decode logits are ``[T, max_model_len]``), so a captured graph
   replays it. Otherwise vLLM's ``forward_cuda`` runs unchanged.
+- Decode context parallelism (``decode_context_parallel_size`` > 1): ``select_dcp``, on
+  both platforms (each rank scores its KV shard, local top-K candidates are merged over
+  the DCP group: the selection equals the one without DCP, ``ops.sparse_indexer.dcp``).
 - DeepSeek-V4's indexers (``skip_k_cache_insert``, fp4 cache, candidate blocks) and
-  DCP/PCP always go to vLLM's own methods.
+  PCP always go to vLLM's own methods.
 
 ``VLLM_MLA_INDEXER``: ``auto`` (default: ours on CUDA when DeepGEMM is missing or the
 GPU is SM12x; vLLM's elsewhere), ``ours``, ``vllm``.
@@ -41,6 +44,7 @@ from types import ModuleType
 import torch
 
 from vllm_mla import envs
+from vllm_mla.ops.dcp import NO_DCP, DCPShard
 from vllm_mla.ops.sparse_indexer import reference
 from vllm_mla.vllm import telemetry
 
@@ -84,17 +88,7 @@ def step_contexts(meta: object) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     groups = []
     decode = meta.decode
     if meta.num_decodes and decode is not None:
-        if decode.requires_padding:
-            raise NotImplementedError(
-                "the portable DSA indexer serves uniform decode only (no padded "
-                "speculative-decode batches)"
-            )
-        seq = decode.seq_lens
-        per_req = seq.shape[1] if seq.dim() == 2 else 1
-        seq = seq.reshape(seq.shape[0], per_req)
-        rows = torch.arange(seq.numel(), device=seq.device)
-        tables = decode.block_table[: seq.shape[0]].repeat_interleave(per_req, dim=0)
-        groups.append((rows, tables, seq.reshape(-1).to(torch.int32), int(meta.max_seq_len)))
+        groups.append((*_decode_tokens(decode, meta.num_decode_tokens), int(meta.max_seq_len)))
     prefill = meta.prefill
     if meta.num_prefills and prefill is not None:
         for chunk in prefill.chunks:
@@ -109,6 +103,38 @@ def step_contexts(meta: object) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return groups
 
 
+def _decode_tokens(decode: object, num_tokens: int) -> tuple[torch.Tensor, ...]:
+    """(rows, block-table rows, causal lengths) of the decode tokens, in every layout vLLM's
+    indexer metadata builder hands over (tensor ops only: no host sync):
+
+    - ``seq_lens`` 1-D: one row per token (plain decode; speculative decoding flattened per
+      token, each row with its own block-table row);
+    - ``seq_lens`` 2-D ``[B, n]`` (native speculative decoding, ``n`` the step's longest
+      draft + 1), ``[b, j] = L_b - n + j + 1``: request ``b``'s tokens are consecutive rows;
+    - the same with ``requires_padding`` (requests of fewer tokens, e.g. the zero-length
+      ones CUDA-graph padding adds): request ``b`` brings ``decode_lens[b]`` packed tokens,
+      token ``i`` of it attends to ``L_b - decode_lens[b] + 1 + i`` keys (``L_b`` is the last
+      column, whatever the padding); rows past the requests' tokens get length 0.
+    """
+    seq = decode.seq_lens
+    if seq.dim() == 1:
+        rows = torch.arange(seq.shape[0], device=seq.device)
+        return rows, decode.block_table[: seq.shape[0]], seq.to(torch.int32)
+    requests, width = seq.shape
+    if not decode.requires_padding:
+        rows = torch.arange(requests * width, device=seq.device)
+        tables = decode.block_table[:requests].repeat_interleave(width, dim=0)
+        return rows, tables, seq.reshape(-1).to(torch.int32)
+    lens = decode.decode_lens[:requests].long()
+    ends = torch.cumsum(lens, 0)
+    rows = torch.arange(num_tokens, device=seq.device)
+    owner = torch.searchsorted(ends, rows, right=True).clamp_max(requests - 1)
+    position = rows - (ends - lens)[owner]
+    lengths = seq[:, -1].long()[owner] - lens[owner] + 1 + position
+    lengths = torch.where(rows < ends[-1], lengths.clamp_min(0), 0)
+    return rows, decode.block_table[owner], lengths.to(torch.int32)
+
+
 class ReferenceKernels:
     """The torch oracle behind the kernels' interface (CPU)."""
 
@@ -117,6 +143,23 @@ class ReferenceKernels:
     @staticmethod
     def index_topk(q, weights, cache, block_tables, lengths, topk, *, max_len):
         return reference.index_topk(q.float(), weights, cache, block_tables, lengths, topk)
+
+    @staticmethod
+    def paged_logits(q, weights, cache, block_tables, lengths, *, max_len):
+        """fp32 ``[T, max_len]`` logits of each token against its own request's keys,
+        ``-inf`` at positions >= its length: ``reference.index_topk``'s, token by token."""
+        q = q.float()
+        out = torch.full((q.shape[0], max_len), float("-inf"), device=q.device)
+        bs = cache.shape[1]
+        for i in range(q.shape[0]):
+            length = min(int(lengths[i]), max_len)
+            if length <= 0:
+                continue
+            k, k_scale = reference.read_keys(
+                cache, reference.request_rows(block_tables[i], length, bs)
+            )
+            out[i, :length] = reference.logits(q[i : i + 1], weights[i : i + 1], k, k_scale)[0]
+        return out
 
 
 def triton_kernels() -> ModuleType:
@@ -174,6 +217,107 @@ def select(
     return buffer
 
 
+# -- decode context parallelism ---------------------------------------------------------
+def dcp_contexts(
+    meta: object, shard: DCPShard
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """``step_contexts`` under DCP: per group of scored tokens ``(rows, block-table rows
+    of this rank, this rank's causal lengths, a host bound of them)``.
+
+    vLLM's indexer metadata builder localizes what a rank scores: decode ``seq_lens``
+    are this rank's per-token lengths (``global_seq_lens`` the group's), a prefill
+    chunk's ``cu_seqlen_ks``/``ke`` this rank's row bounds (``local_cu_seq_lens`` its
+    request starts; ``cu_seq_lens`` stays the group's). A request with no row here
+    repeats the previous start, so the token's request is the last one starting at or
+    before its start, clamped (a repeated start only ever names a zero-length request,
+    whose tokens score nothing).
+    """
+    groups = []
+    decode = meta.decode
+    bound = shard.local_bound(int(meta.max_seq_len))
+    if meta.num_decodes and decode is not None:
+        if decode.requires_padding:
+            raise NotImplementedError(
+                "the portable DSA indexer under DCP serves uniform decode batches only "
+                "(ragged speculative-decode drafts are not served)"
+            )
+        seq = decode.seq_lens
+        per_req = seq.shape[1] if seq.dim() == 2 else 1
+        seq = seq.reshape(seq.shape[0], per_req)
+        rows = torch.arange(seq.numel(), device=seq.device)
+        tables = decode.block_table[: seq.shape[0]].repeat_interleave(per_req, dim=0)
+        groups.append((rows, tables, seq.reshape(-1).to(torch.int32), bound))
+    prefill = meta.prefill
+    if meta.num_prefills and prefill is not None:
+        for chunk in prefill.chunks:
+            n = chunk.token_end - chunk.token_start
+            ks, ke = chunk.cu_seqlen_ks[:n], chunk.cu_seqlen_ke[:n]
+            starts = chunk.local_cu_seq_lens[: chunk.num_reqs].long()
+            request = torch.searchsorted(starts, ks.long(), right=True) - 1
+            request = request.clamp(0, chunk.num_reqs - 1)
+            rows = torch.arange(chunk.token_start, chunk.token_end, device=ks.device)
+            groups.append((rows, chunk.block_table[request], (ke - ks).to(torch.int32), bound))
+    return groups
+
+
+def select_dcp(
+    layer: object,
+    hidden_states: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    weights: torch.Tensor,
+    meta: object,
+    kernels: object,
+    shard: DCPShard,
+    group: object,
+    max_decode_len: int | None = None,
+    budget_bytes: int | None = None,
+) -> torch.Tensor:
+    """``select`` under DCP: the same selection as one rank holding everything.
+
+    Inserts the keys this rank holds (vLLM's slot mapping gives the others -1), scores
+    each token against this rank's shard (``kernels.paged_logits``), keeps the local
+    top-K as (logit, request position) keys (``ops.sparse_indexer.dcp``), all-gathers
+    them over the DCP ``group`` (one int64 ``[N, T, K]``, the same shape on every rank)
+    and writes every token's global top-K, request positions of the whole group (the
+    attention impl keeps the ones its shard holds), into ``layer.topk_indices_buffer``.
+    ``max_decode_len``/``budget_bytes``: as ``select``'s, of the group's positions.
+    """
+    from vllm_mla.ops.sparse_indexer import dcp as dcp_topk
+
+    cache = layer.k_cache.kv_cache
+    slots = meta.slot_mapping
+    if k is not None:
+        kernels.insert_keys(cache, k[: slots.shape[0]], slots, ue8m0=layer.scale_fmt == "ue8m0")
+    topk = layer.topk_tokens
+    tokens = hidden_states.shape[0]
+    keys = torch.full((tokens, topk), dcp_topk.EMPTY_KEY, dtype=torch.int64, device=q.device)
+    q_rows = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
+    decode_width = None if max_decode_len is None else shard.local_bound(max_decode_len)
+    for i, (rows, tables, lengths, bound) in enumerate(dcp_contexts(meta, shard)):
+        width = decode_width if (i == 0 and meta.num_decodes and decode_width) else bound
+        n = rows.shape[0]
+        per_score = TOPK_BYTES_PER_SCORE + 8  # + the int64 candidate key
+        block = n if budget_bytes is None else max(1, budget_bytes // (per_score * max(width, 1)))
+        for start in range(0, n, block):
+            part = rows[start : start + block]
+            scores = kernels.paged_logits(
+                q_rows[part].view(q.dtype),
+                weights[part],
+                cache,
+                tables[start : start + block],
+                lengths[start : start + block],
+                max_len=width,
+            )
+            keys[part] = dcp_topk.candidate_keys(
+                scores, lengths[start : start + block], topk, shard
+            )
+    gathered = group.all_gather(keys, dim=0).view(shard.size, tokens, topk)
+    buffer = layer.topk_indices_buffer
+    buffer[:tokens] = dcp_topk.merge_candidates(gathered, topk)
+    return buffer
+
+
 def _forward_context_metadata(layer: object) -> object | None:
     from vllm.forward_context import get_forward_context
 
@@ -184,14 +328,23 @@ def _forward_context_metadata(layer: object) -> object | None:
 
 
 def _delegates(layer: object) -> bool:
-    """DeepSeek-V4 indexers and context parallelism: vLLM's own methods serve them."""
+    """DeepSeek-V4 indexers and prefill context parallelism: vLLM's own methods serve
+    them (DCP is ours: ``select_dcp``)."""
     return bool(
         layer.skip_k_cache_insert
         or layer.use_fp4_cache
         or layer.candidate_blocks is not None
-        or layer.dcp_world_size > 1
         or layer.use_pcp
     )
+
+
+def _dcp_of(layer: object) -> DCPShard:
+    """The indexer's DCP shard (its interleave read now, from vLLM's parallel config)."""
+    if layer.dcp_world_size <= 1:
+        return NO_DCP
+    parallel = layer.vllm_mla_parallel
+    interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1))
+    return DCPShard(int(layer.dcp_world_size), int(layer.dcp_rank), interleave)
 
 
 def _logits_budget() -> int:
@@ -237,6 +390,25 @@ def make_indexer() -> type:
             with guard:
                 super().__init__(*args, **kwargs)
             self.vllm_mla_ours = self_ours and not _delegates(self)
+            from vllm.config import get_current_vllm_config_or_none
+
+            config = get_current_vllm_config_or_none()  # its interleave is read later
+            self.vllm_mla_parallel = None if config is None else config.parallel_config
+            self.vllm_mla_dcp: DCPShard | None = None  # resolved at the first step
+
+        def _vllm_mla_shard(self) -> DCPShard:
+            shard = self.vllm_mla_dcp
+            if shard is None:
+                shard = self.vllm_mla_dcp = _dcp_of(self)
+            return shard
+
+        def _vllm_mla_select_dcp(self, hidden_states, q_quant, k, weights, meta, kernels, **kw):
+            from vllm.distributed import get_dcp_group
+
+            shard, group = self._vllm_mla_shard(), get_dcp_group()
+            return select_dcp(
+                self, hidden_states, q_quant, k, weights, meta, kernels, shard, group, **kw
+            )
 
         def forward_cuda(self, hidden_states, q_quant, k, weights):
             if not self.vllm_mla_ours:
@@ -245,6 +417,18 @@ def make_indexer() -> type:
             if meta is None:  # profile run: the logits peak, as vLLM's indexer reserves it
                 _reserve_logits_peak(hidden_states.device)
                 return self.topk_indices_buffer
+            if self.dcp_world_size > 1:
+                telemetry.record_sparse("indexer:triton:dcp")
+                return self._vllm_mla_select_dcp(
+                    hidden_states,
+                    q_quant,
+                    k,
+                    weights,
+                    meta,
+                    triton_kernels(),
+                    max_decode_len=self.max_model_len,
+                    budget_bytes=_logits_budget(),
+                )
             telemetry.record_sparse("indexer:triton")
             return select(
                 self,
@@ -264,6 +448,11 @@ def make_indexer() -> type:
             meta = _forward_context_metadata(self)
             if meta is None:
                 return self.topk_indices_buffer
+            if self.dcp_world_size > 1:
+                telemetry.record_sparse("indexer:cpu:dcp")
+                return self._vllm_mla_select_dcp(
+                    hidden_states, q_quant, k, weights, meta, ReferenceKernels
+                )
             telemetry.record_sparse("indexer:cpu")
             return select(self, hidden_states, q_quant, k, weights, meta, ReferenceKernels)
 
@@ -302,9 +491,11 @@ def register(platform: str) -> str:
 
 __all__ = [
     "ReferenceKernels",
+    "dcp_contexts",
     "make_indexer",
     "ours_on_cuda",
     "register",
     "select",
+    "select_dcp",
     "step_contexts",
 ]

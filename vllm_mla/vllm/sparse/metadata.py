@@ -22,6 +22,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_mla.ops.sparse_mla import select_impl
+from vllm_mla.vllm.sparse.impl import serving_impl
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,7 +56,8 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.req_id_per_token_buffer = torch.empty((max_tokens,), dtype=torch.int32, device=device)
         self.physical_indices_buffer: torch.Tensor | None = None
-        if select_impl(device) != "triton":  # the impl's plan takes physical rows
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        if serving_impl(select_impl(device), dcp) != "triton":  # the plan takes physical rows
             self.physical_indices_buffer = torch.empty(
                 (max_tokens, self.topk_tokens), dtype=torch.int32, device=device
             )

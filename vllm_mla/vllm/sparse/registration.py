@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from vllm_mla import envs
 from vllm_mla.vllm.sparse.backend import NAME
 
 CUSTOM_ENV = "VLLM_MLA_SPARSE_CUSTOM"
@@ -31,7 +32,7 @@ FALLBACK_HINT = (
 def custom_wanted() -> bool:
     """True when ``VLLM_MLA_SPARSE_CUSTOM`` is on (set by the user, or by ``claim_custom``
     in the process that spawned this one)."""
-    return os.environ.get(CUSTOM_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.sparse_custom()
 
 
 def claim_custom() -> str | None:
