@@ -185,7 +185,8 @@ stage_interpret() {
 # The rest of the core suite at the lower bound (torch 2.11, Triton 3.6), less
 # test_console_script_error_has_no_traceback: it needs the installed `vllm-mla` entry point;
 # here (as on the GPU machine) the package runs from PYTHONPATH. (torch.compile over an
-# AbsorbedWeight needs torch >= 2.13: that test skips itself below it, naming the version.)
+# AbsorbedWeight needs torch >= 2.13: those tests skip themselves below it, naming the
+# version: tests/compile_support.py.)
 stage_core() {
   local t tests=()
   for t in tests/test_*.py; do

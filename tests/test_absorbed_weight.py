@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_support import needs_subclass_compile
 from torch import nn
 
 from vllm_mla.memory import Ledger
@@ -106,11 +107,7 @@ def absorb_out(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-@pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-    reason=f"torch {torch.__version__}: Dynamo runs a tensor subclass's op on fake tensors "
-    "before 2.13 (vLLM, whose compiled region this is, pins torch >= 2.13)",
-)
+@needs_subclass_compile
 @pytest.mark.parametrize("fn", [absorb, absorb_out], ids=["functional", "out"])
 @pytest.mark.parametrize("kind", ["dense", "mxfp8"])
 def test_compiled_fullgraph_runs_the_custom_op(kind, fn):

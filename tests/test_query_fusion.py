@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from compile_support import needs_subclass_compile
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -330,6 +331,7 @@ def test_other_layouts_are_not_row_queries():
     assert qf.row_query(ql, q_pe) is None
 
 
+@needs_subclass_compile
 @pytest.mark.parametrize("kind", ["safe", "direct"])
 def test_row_layout_compiles_with_the_same_strides(kind):
     """The DSA absorption compiled (Inductor): the bmm is one custom-op node whose result

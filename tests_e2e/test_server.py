@@ -85,7 +85,8 @@ def serve_one_completion(model: Path, tmp_path: Path, sparse_kv_dtype: str | Non
             server_command(str(model), port, sparse_kv_dtype),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "VLLM_MLA": "1"},
+            # DEBUG: the plugin's per-feature start-up lines (INFO shows one short line)
+            env={**os.environ, "VLLM_MLA": "1", "VLLM_LOGGING_LEVEL": "DEBUG"},
             cwd=tmp_path,  # not the repository root: an egg-info there shadows the plugin
             start_new_session=True,  # its own process group: the stop reaches every child
         )
@@ -122,7 +123,10 @@ def serve_one_completion(model: Path, tmp_path: Path, sparse_kv_dtype: str | Non
 def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
     log = serve_one_completion(models["first"], tmp_path)
     # the plugin registered in the serving processes (front end and engine core)
-    assert "vllm-mla 0.32" in log and "lifecycle: applied" in log
+    summary = next(line for line in log.splitlines() if "vllm-mla 0.32" in line)
+    assert "applied cpu-mxfp8, lifecycle, query, sparse, sparse-cpu, wake-check" in summary
+    assert "not applied: sparse-indexer (for cuda only)" in summary and len(summary) < 400
+    assert "lifecycle: applied MLAAttention.process_weights_after_loading" in log  # DEBUG
     assert "registered B12X_MLA_SPARSE" in log and "vllm_mla.register()" in log
     assert "and CUSTOM" not in log  # nothing selected the sparse backend: the slot stays free
 

@@ -225,3 +225,22 @@ def test_entry_point_is_declared():
     assert project["entry-points"]["vllm.general_plugins"] == {
         "vllm_mla": "vllm_mla.vllm.plugin:register"
     }
+
+
+def test_start_up_log_is_one_short_line_and_details_at_debug(monkeypatch, caplog):
+    monkeypatch.delenv("VLLM_MLA_FEATURES", raising=False)
+    plugin.reset()
+    with caplog.at_level(logging.DEBUG, logger="vllm_mla"):
+        result = plugin.register()
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    (line,) = [m for m in info if m.startswith("vllm-mla ")]
+    assert len(line) < 300, line
+    applied = sorted(k for k, v in result.items() if not v.startswith("skipped"))
+    assert f"applied {', '.join(applied)};" in line
+    assert "not applied: sparse-indexer (for cuda only)" in line  # CPU here
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    for name, outcome in result.items():  # every feature's whole outcome, once
+        assert debug.count(f"vllm-mla: {name}: {outcome}") == 1
+    assert plugin.summary({"query": "skipped: x; y"}) == (
+        "applied nothing; not applied: query (x) (one line per feature at VLLM_LOGGING_LEVEL=DEBUG)"
+    )

@@ -72,9 +72,11 @@ def test_double_registration_is_a_no_op(registered):
 def test_start_up_line_names_the_custom_fallback(monkeypatch, caplog):
     monkeypatch.delenv("VLLM_MLA_FEATURES", raising=False)
     plugin.reset()
-    with caplog.at_level(logging.INFO, logger="vllm_mla"):
+    with caplog.at_level(logging.DEBUG, logger="vllm_mla"):
         plugin.register()
-    assert "vllm_mla.register()" in caplog.text and "'backend': 'CUSTOM'" in caplog.text
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("sparse backend: --attention-backend B12X_MLA_SPARSE" in m for m in info)
+    assert "vllm_mla.register()" in caplog.text and "'backend': 'CUSTOM'" in caplog.text  # DEBUG
 
 
 def test_custom_owned_by_another_plugin_is_left_alone(registered, monkeypatch):

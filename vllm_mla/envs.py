@@ -117,6 +117,13 @@ VARIABLES: tuple[Variable, ...] = (
         "Triton's own switch: kernels in its CPU interpreter (the tests' kernel runs)",
     ),
     Variable(
+        "VLLM_LOGGING_LEVEL",
+        "INFO",
+        "vLLM's levels",
+        "vLLM's own log level, followed by vllm-mla's logger; `DEBUG` adds one start-up "
+        "line per feature",
+    ),
+    Variable(
         "VLLM_MLA_CUDA_ARCHS",
         "80;86;89;90;100;120",
         "`;` list, or `none`",
@@ -203,6 +210,11 @@ def sparse_custom() -> bool:
 def cpu_isa() -> str:
     """``VLLM_MLA_CPU_ISA``, lower-cased; validated by ``vllm_mla.cpu_isa.apply``."""
     return _raw("VLLM_MLA_CPU_ISA")
+
+
+def logging_level() -> str:
+    """``VLLM_LOGGING_LEVEL`` upper-cased (vLLM's variable; INFO by default)."""
+    return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").strip().upper() or "INFO"
 
 
 def triton_interpret() -> bool:

@@ -2,7 +2,9 @@
 
 vLLM calls ``register()`` in every process (front end, engine core, each TP
 worker), possibly several times; it imports vLLM lazily, applies the features
-chosen by ``VLLM_MLA`` / ``VLLM_MLA_FEATURES`` once, and logs one line.
+chosen by ``VLLM_MLA`` / ``VLLM_MLA_FEATURES`` once, and logs one short line (which
+features applied, which were skipped) plus, at DEBUG (``VLLM_LOGGING_LEVEL=DEBUG``), one
+line per feature saying exactly what it patched or registered.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ def _make_visible() -> None:
     """vLLM configures only its own ``vllm`` logger; without a handler of ours (or the
     application's, on the root logger) the start-up line at INFO would be dropped."""
     if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
+        level = envs.logging_level()
+        logger.setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
     if logger.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
@@ -72,9 +75,26 @@ def register() -> dict[str, str]:
         _result["cpu-mxfp8"] = cpu_mxfp8.register()
     for name in unknown:
         _result[name] = f"skipped: unknown feature (known: {', '.join(envs.FEATURES)})"
-    summary = "; ".join(f"{k}: {v}" for k, v in sorted(_result.items())) or "no features"
-    logger.info("vllm-mla %s: %s", patches.vllm_version(), summary)
+    logger.info("vllm-mla %s: %s", patches.vllm_version(), summary(_result))
+    for name, outcome in sorted(_result.items()):
+        logger.debug("vllm-mla: %s: %s", name, outcome)
     return _result
+
+
+def summary(result: dict[str, str]) -> str:
+    """One short line: the features applied, then those skipped with their first reason."""
+    applied = [k for k, v in result.items() if not v.startswith(("skipped", "failed"))]
+    others = [
+        f"{k} ({v.removeprefix('skipped: ').split(';')[0].split(' (')[0]})"
+        for k, v in result.items()
+        if k not in applied
+    ]
+    line = f"applied {', '.join(sorted(applied)) or 'nothing'}"
+    if others:
+        line += f"; not applied: {', '.join(sorted(others))}"
+    if "sparse" in applied:
+        line += "; sparse backend: --attention-backend B12X_MLA_SPARSE"
+    return line + " (one line per feature at VLLM_LOGGING_LEVEL=DEBUG)"
 
 
 def reset() -> None:
