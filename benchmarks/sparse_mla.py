@@ -44,7 +44,7 @@ from common import copy_bandwidth, environment
 
 from vllm_mla.formats import HEAD_DIM
 from vllm_mla.ops import sparse_mla as sm
-from vllm_mla.ops.dcp import DCPShard
+from vllm_mla.ops.dcp import DCPShard, lse_merge
 from vllm_mla.ops.sparse_mla import (
     KV_FORMATS,
     LSE_ABS_ERR,
@@ -237,19 +237,6 @@ DCP_SMOKE = (
     dict(n=2, interleave=1, h=3, lengths=(100, 64), block_size=16),
     dict(n=3, interleave=4, h=3, lengths=(100, 64), block_size=16),
 )
-
-
-def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's LSE merge of DCP ranks (``_lse_weighted_combine``, vllm/v1/attention/ops/dcp.py,
-    base e), on ``outs [N, T, H, D]`` and ``lses [N, T, H]``: (out [T, H, D], lse [T, H])."""
-    lses = torch.where(lses.isnan() | lses.isinf(), float("-inf"), lses)
-    peak = lses.max(dim=0).values
-    peak = torch.where(peak == float("-inf"), 0.0, peak)
-    weights = torch.exp(lses - peak)
-    total = weights.sum(dim=0, keepdim=True)
-    weights = (weights / total.clamp(min=1e-10)).unsqueeze(-1)
-    merged = torch.where(weights == 0, 0.0, outs.float() * weights).sum(dim=0)
-    return merged, torch.log(total[0]) + peak
 
 
 def _place(rows_of, block_size, device, gen):

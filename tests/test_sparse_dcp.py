@@ -5,7 +5,7 @@ N ranks the way vLLM's slot mapping places it (``ops.dcp.DCPShard``: runs of
 ``interleave`` positions round robin, each rank's own pages and block table). Every rank
 attends to the selected request positions it holds and returns its LSE; the ranks are
 merged with vLLM's LSE combine (``_lse_weighted_combine`` of
-``vllm/v1/attention/ops/dcp.py``, reproduced line for line in ``lse_merge``): the result
+``vllm/v1/attention/ops/dcp.py``, reproduced in ``vllm_mla.ops.dcp.lse_merge``): the result
 must be DCP 1's. The indexer: each rank scores its shard, the local top-K candidates are
 merged: the selection must be DCP 1's, exactly (ties included).
 """
@@ -21,7 +21,7 @@ import torch
 from error_bounds import U, sparse_mla_bound
 
 from vllm_mla.ops import sparse_indexer
-from vllm_mla.ops.dcp import NO_DCP, DCPShard
+from vllm_mla.ops.dcp import NO_DCP, DCPShard, lse_merge
 from vllm_mla.ops.sparse_indexer import dcp as dcp_topk
 from vllm_mla.ops.sparse_mla import (
     KV_FORMATS,
@@ -107,22 +107,6 @@ def query(h: int = 6, seed: int = 0) -> torch.Tensor:
 
 
 REQ_ID = torch.tensor(TOKEN_REQUEST, dtype=torch.int32)
-
-
-def lse_merge(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``_lse_weighted_combine`` (vllm/v1/attention/ops/dcp.py, base e), line for
-    line: ``outputs [N, B, H, D]``, ``lses [N, B, H]`` -> (``[B, H, D]``, ``[B, H]``)."""
-    lses = torch.where(torch.isnan(lses) | torch.isinf(lses), torch.tensor(float("-inf")), lses)
-    lse_max, _ = lses.max(dim=0)
-    lse_max = torch.where(lse_max == float("-inf"), torch.zeros_like(lse_max), lse_max)
-    weights = torch.exp(lses - lse_max.unsqueeze(0))
-    weights = torch.where(torch.isnan(weights), torch.zeros_like(weights), weights)
-    weight_sum = weights.sum(dim=0, keepdim=True)
-    weights = weights / weight_sum.clamp(min=1e-10)
-    weights = weights.unsqueeze(-1)
-    outputs = torch.where(weights == 0, torch.zeros_like(outputs), outputs)
-    result = (outputs * weights).sum(dim=0)
-    return result, torch.log(weight_sum.squeeze(0)) + lse_max
 
 
 def merge_tolerance(q, cache, physical, fmt, ref_lse):

@@ -24,7 +24,7 @@ from test_sparse_backend import TOPK, builder_config, make_impl
 from test_sparse_backend import cpu_session as cpu_session  # the fixture, re-exported
 from vllm_layers import vllm_config
 
-from vllm_mla.ops.dcp import DCPShard
+from vllm_mla.ops.dcp import DCPShard, lse_merge
 from vllm_mla.ops.sparse_mla import pack_rows
 from vllm_mla.vllm.sparse import impl as impl_mod
 from vllm_mla.vllm.sparse.backend import B12XMLASparseBackend
@@ -237,6 +237,9 @@ def test_ranks_merged_by_vllms_combine_equal_dcp1(
         outs.append(out.float())
         lses.append(lse)
     merged = _lse_weighted_combine(torch.stack(outs), torch.stack(lses))
+    # our torch reference of that merge (benchmarks, tests/test_sparse_dcp.py) is vLLM's
+    ours, _ = lse_merge(torch.stack(outs), torch.stack(lses))
+    assert torch.equal(ours, merged)
     # Error model. The logits are exact (binary grids), so DCP 1 and the ranks differ only
     # in the softmax: the exps and the K-term sums of weights and values, <= (2K + 64) u of
     # M = max |value| (7/8 here) for each side and the merge's few roundings (64 is a 2x

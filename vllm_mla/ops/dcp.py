@@ -87,4 +87,21 @@ class DCPShard:
 
 NO_DCP = DCPShard()
 
-__all__ = ["NO_DCP", "DCPShard"]
+
+def lse_merge(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's merge of the DCP ranks' attention by their LSE (``_lse_weighted_combine``,
+    vllm/v1/attention/ops/dcp.py, natural log), as a torch reference: ``outputs [N, T, H,
+    D]`` and ``lses [N, T, H]`` -> (``[T, H, D]`` fp32, ``[T, H]``). A rank whose lse is
+    -inf, inf or NaN (none of its tokens selected) weighs nothing."""
+    lses = torch.where(lses.isnan() | lses.isinf(), float("-inf"), lses)
+    peak = lses.max(dim=0).values
+    peak = torch.where(peak == float("-inf"), 0.0, peak)
+    weights = torch.exp(lses - peak)
+    weights = torch.where(weights.isnan(), 0.0, weights)
+    total = weights.sum(dim=0, keepdim=True)
+    weights = (weights / total.clamp(min=1e-10)).unsqueeze(-1)
+    merged = torch.where(weights == 0, 0.0, outputs.float() * weights).sum(dim=0)
+    return merged, torch.log(total[0]) + peak
+
+
+__all__ = ["NO_DCP", "DCPShard", "lse_merge"]

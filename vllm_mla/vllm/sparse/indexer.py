@@ -168,6 +168,25 @@ def triton_kernels() -> ModuleType:
     return kernels
 
 
+def _insert_step_keys(layer: object, k: torch.Tensor | None, meta: object, kernels: object):
+    """Insert this step's index keys into the layer's cache (slot -1: not this rank's, or
+    padding); returns the cache."""
+    cache = layer.k_cache.kv_cache
+    slots = meta.slot_mapping
+    if k is not None:
+        kernels.insert_keys(cache, k[: slots.shape[0]], slots, ue8m0=layer.scale_fmt == "ue8m0")
+    return cache
+
+
+def _row_blocks(
+    rows: int, width: int, budget_bytes: int | None, per_score: int
+) -> list[tuple[int, int]]:
+    """(start, size) of the row blocks whose ``width`` scores of ``per_score`` bytes each
+    fit ``budget_bytes`` (all rows at once without a budget); sized on the host."""
+    block = rows if budget_bytes is None else max(1, budget_bytes // (per_score * max(width, 1)))
+    return [(start, block) for start in range(0, rows, max(block, 1))]
+
+
 def select(
     layer: object,
     hidden_states: torch.Tensor,
@@ -187,23 +206,14 @@ def select(
     many bytes of logits and top-k temporaries at once (``TOPK_BYTES_PER_SCORE`` per
     score), so groups are split into row blocks sized on the host (no sync).
     """
-    cache = layer.k_cache.kv_cache
-    slots = meta.slot_mapping
-    if k is not None:
-        kernels.insert_keys(cache, k[: slots.shape[0]], slots, ue8m0=layer.scale_fmt == "ue8m0")
+    cache = _insert_step_keys(layer, k, meta, kernels)
     buffer = layer.topk_indices_buffer
     buffer[: hidden_states.shape[0]] = -1
     # Gather e4m3 rows as bytes: fp8 indexing is not implemented on every device.
     q_rows = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
     for i, (rows, tables, lengths, bound) in enumerate(step_contexts(meta)):
         width = max_decode_len if (i == 0 and meta.num_decodes and max_decode_len) else bound
-        n = rows.shape[0]
-        block = (
-            n
-            if budget_bytes is None
-            else max(1, budget_bytes // (TOPK_BYTES_PER_SCORE * max(width, 1)))
-        )
-        for start in range(0, n, block):
+        for start, block in _row_blocks(rows.shape[0], width, budget_bytes, TOPK_BYTES_PER_SCORE):
             part = rows[start : start + block]
             buffer[part] = kernels.index_topk(
                 q_rows[part].view(q.dtype),
@@ -285,10 +295,7 @@ def select_dcp(
     """
     from vllm_mla.ops.sparse_indexer import dcp as dcp_topk
 
-    cache = layer.k_cache.kv_cache
-    slots = meta.slot_mapping
-    if k is not None:
-        kernels.insert_keys(cache, k[: slots.shape[0]], slots, ue8m0=layer.scale_fmt == "ue8m0")
+    cache = _insert_step_keys(layer, k, meta, kernels)
     topk = layer.topk_tokens
     tokens = hidden_states.shape[0]
     keys = torch.full((tokens, topk), dcp_topk.EMPTY_KEY, dtype=torch.int64, device=q.device)
@@ -296,10 +303,8 @@ def select_dcp(
     decode_width = None if max_decode_len is None else shard.local_bound(max_decode_len)
     for i, (rows, tables, lengths, bound) in enumerate(dcp_contexts(meta, shard)):
         width = decode_width if (i == 0 and meta.num_decodes and decode_width) else bound
-        n = rows.shape[0]
         per_score = TOPK_BYTES_PER_SCORE + 8  # + the int64 candidate key
-        block = n if budget_bytes is None else max(1, budget_bytes // (per_score * max(width, 1)))
-        for start in range(0, n, block):
+        for start, block in _row_blocks(rows.shape[0], width, budget_bytes, per_score):
             part = rows[start : start + block]
             scores = kernels.paged_logits(
                 q_rows[part].view(q.dtype),
