@@ -36,10 +36,10 @@ import common
 
 from vllm_mla.ops import absorbed_matmul as ab
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
+from vllm_mla.ops.base import MXFP8Weight
 from vllm_mla.ops.query_projection import (
-    MXFP8Weight,
     mla_query_projection,
-    prewarm,
+    prewarm_query_projection,
     staged_query_projection,
 )
 from vllm_mla.quant import mxfp8
@@ -98,8 +98,10 @@ def check(m, shape, device, gen) -> dict:
     h, p, v = SHAPES[shape]
     w = layer_weights(h, p, v, device, gen)
     q, x = inputs(m, h, p, device, gen)
-    want_ql = ab.reference(q[..., :p].transpose(0, 1), w["views"]["W_UK_T"]).transpose(0, 1)
-    want_v = ab.reference(x.transpose(0, 1), w["views"]["W_UV"]).transpose(0, 1)
+    want_ql = ab.absorbed_bmm_reference(q[..., :p].transpose(0, 1), w["views"]["W_UK_T"]).transpose(
+        0, 1
+    )
+    want_v = ab.absorbed_bmm_reference(x.transpose(0, 1), w["views"]["W_UV"]).transpose(0, 1)
     row = {"m": m, "shape": shape}
     for mode in MODES:
         big_ql = torch.full((m, h, L + 8), float("nan"), dtype=torch.bfloat16, device=device)
@@ -146,8 +148,10 @@ def check_graph(m, shape, device, gen) -> dict:
             a.fill_(float("nan"))
             b.fill_(float("nan"))
         graph.replay()
-        want_ql = ab.reference(q[..., :p].transpose(0, 1), w["views"]["W_UK_T"]).transpose(0, 1)
-        want_v = ab.reference(x.transpose(0, 1), w["views"]["W_UV"]).transpose(0, 1)
+        want_ql = ab.absorbed_bmm_reference(
+            q[..., :p].transpose(0, 1), w["views"]["W_UK_T"]
+        ).transpose(0, 1)
+        want_v = ab.absorbed_bmm_reference(x.transpose(0, 1), w["views"]["W_UV"]).transpose(0, 1)
         for a, b in outs.values():
             worst = max(worst, rel_err(a, want_ql), rel_err(b, want_v))
     return {
@@ -184,7 +188,9 @@ def time_shape(m, shape, device, gen, query=None) -> dict:
         key, out_dtype = QUERY_WEIGHTS[fmt], QUERY_OUTS[out_name]
         out = torch.empty(m, h, L + R, dtype=out_dtype, device=device)
         s = scale if out_dtype != torch.bfloat16 else None
-        prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
+        prewarm_query_projection(
+            [m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device
+        )
         tag = f"{fmt}_{out_name}"
         row[f"fused_query_{tag}_us"] = (
             common.graph_time_us(

@@ -503,8 +503,8 @@ def _sparse_timing(fmt, t, cache, device, gen, bw) -> dict:
 
 def indexer_insert_check(n: int, device) -> dict:
     """Triton insert vs reference.insert_keys: bit-identical bytes and scales."""
+    from vllm_mla.ops.sparse_indexer import api as tk
     from vllm_mla.ops.sparse_indexer import reference
-    from vllm_mla.ops.sparse_indexer import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(n)
     blocks = -(-n // 64) + 2
@@ -528,8 +528,8 @@ def indexer_insert_check(n: int, device) -> dict:
 def indexer_logits_check(case: dict) -> dict:
     """paged_logits vs reference.logits within the kernel's stated error model:
     |diff| <= LOGIT_RTOL * k_scale * sum_h |w_h| sum_d |q_hd k_d| + LOGIT_ATOL."""
+    from vllm_mla.ops.sparse_indexer import api as tk
     from vllm_mla.ops.sparse_indexer import reference
-    from vllm_mla.ops.sparse_indexer import triton_kernels as tk
 
     got = tk.paged_logits(
         case["q"],

@@ -39,11 +39,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from vllm_mla.ops.absorbed_matmul import kernel as bmm_kernel
+from vllm_mla.ops.absorbed_matmul.kernel import absorbed_bmm_kernel
+from vllm_mla.ops.query_projection import kernel as qp_kernel
+from vllm_mla.ops.query_projection.kernel import mla_query_projection_kernel
 from vllm_mla.ops.sparse_indexer import triton_kernels as ik
 from vllm_mla.ops.sparse_mla import triton_kernels as sk
-from vllm_mla.ops.triton import launch
-from vllm_mla.ops.triton.absorbed_bmm import absorbed_bmm_kernel
-from vllm_mla.ops.triton.query_projection import mla_query_projection_kernel
 
 # Opt-in shared memory per block: sm80 163 KiB, sm86/89 99 KiB, sm90/100 227 KiB,
 # sm120 99 KiB (CUDA C programming guide, compute capabilities table).
@@ -76,7 +77,7 @@ def absorbed_bmm_cases() -> list[dict]:
         ("W_UV", 512, 256, True),
     ]:
         for m in (1, 32, 64):
-            block_m, block_n, block_k = launch._bmm_tiles(m, n, k, False)
+            block_m, block_n, block_k = bmm_kernel.tiles(m, n, k, False)
             sig = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "o_ptr": "*bf16"}
             sig.update({"M": "i32", **{s: "i32" for s in strides}})
             const = dict(
@@ -111,7 +112,7 @@ def query_projection_cases() -> list[dict]:
         for mx in (False, True):
             for fp8_out in (False, True):
                 for m in (1, 32, 64):
-                    block_m, block_l = launch._tiles(m, 512, False)
+                    block_m, block_l = qp_kernel.tiles(m, 512, False)
                     w = "*fp8e4nv" if mx else "*bf16"
                     sig = {
                         "q_ptr": "*bf16",
@@ -129,7 +130,7 @@ def query_projection_cases() -> list[dict]:
                         L=512,
                         R=64,
                         BLOCK_M=block_m,
-                        BLOCK_K=launch.BLOCK_K,
+                        BLOCK_K=qp_kernel.BLOCK_K,
                         BLOCK_L=block_l,
                         MXFP8=mx,
                         FP8_OUT=fp8_out,
@@ -174,10 +175,14 @@ def sparse_mla_cases(arch: int) -> list[dict]:
                     "lse_ptr": "*fp32" if direct else "*u8",
                     "l_ptr": "*bf16" if direct else "*u8",
                     "err_ptr": "*i32",
+                    "sink_ptr": "*fp32",
                     "req_ptr": "*i32",
                     "bt_ptr": "*i32",
                     "s_bt": "i32",
                     "bt_width": "i32",
+                    "dcp_period": "i32",
+                    "dcp_start": "i32",
+                    "dcp_interleave": "i32",
                     **{n: "i32" for n in ints},
                     "qk_scale": "fp32",
                     **{n: "i32" for n in strides},
@@ -189,6 +194,8 @@ def sparse_mla_cases(arch: int) -> list[dict]:
                     WRITE_LSE=True,
                     HAS_ERR=True,
                     LOGICAL=True,
+                    DCP=False,
+                    SINK=direct,  # the sink is folded into the direct epilogue only
                     BLOCK_H=bh,
                     BLOCK_K=sk.BLOCK_K,
                     INTERPRET=False,
@@ -198,7 +205,7 @@ def sparse_mla_cases(arch: int) -> list[dict]:
                     dict(
                         kernel="sparse_mla_split",
                         fn=sk._sparse_mla_split_kernel,
-                        what=f"{fmt} {bh} heads/program {'direct' if direct else 'split'}",
+                        what=(f"{fmt} {bh} heads/program {'direct, sink' if direct else 'split'}"),
                         sig=sig,
                         const=const,
                         attrs=_aligned_attrs(sig, aligned),
@@ -207,15 +214,16 @@ def sparse_mla_cases(arch: int) -> list[dict]:
                 )
     for lse in (True, False):
         sig = {"scratch_ptr": "*u8", "m_off": "i32", "l_off": "i32", "out_ptr": "*bf16"}
-        sig.update({"lse_ptr": "*fp32" if lse else "*bf16", "H": "i32", "num_splits": "i32"})
+        sig.update({"lse_ptr": "*fp32" if lse else "*bf16", "sink_ptr": "*fp32"})
+        sig.update({"H": "i32", "num_splits": "i32"})
         sig.update({"s_o_t": "i32", "s_o_h": "i32", "s_lse_t": "i32"})
         cases.append(
             dict(
                 kernel="sparse_mla_combine",
                 fn=sk._sparse_mla_combine_kernel,
-                what=f"lse {'written' if lse else 'not written'}",
+                what=f"lse {'written, sink' if lse else 'not written'}",
                 sig=sig,
-                const=dict(WRITE_LSE=lse, INTERPRET=False),
+                const=dict(WRITE_LSE=lse, SINK=lse, INTERPRET=False),
                 attrs=_aligned_attrs(sig, {"H", "s_o_t", "s_o_h"}),
                 options=dict(num_warps=sk.NUM_WARPS),
             )

@@ -162,7 +162,7 @@ if command -v compute-sanitizer >/dev/null; then
 fi
 
 step "vllm-mla qualify on the GPU (allocator peaks and holes, baseline vs lean)"
-timeout 60 "$PY" -m vllm_mla.cli qualify --device cuda --json > "$OUT/qualify_cuda.json"
+timeout 60 "$PY" -m vllm_mla.tools.cli qualify --device cuda --json > "$OUT/qualify_cuda.json"
 echo "qualify exit $?"
 "$PY" - "$OUT/qualify_cuda.json" <<'PY'
 import json, sys
@@ -214,13 +214,13 @@ echo "sparse_indexer exit ${PIPESTATUS[0]}"
 fi
 
 if want soak; then
-step "soak: reload cycles on the GPU, a CUDA graph replayed after each (vllm_mla.soak)"
+step "soak: reload cycles on the GPU, a CUDA graph replayed after each (vllm_mla.tools.soak)"
 for w in fp8-block-deepgemm mxfp8-flashinfer; do
-  timeout 240 "$PY" -m vllm_mla.cli soak --device cuda --weights "$w" --json \
+  timeout 240 "$PY" -m vllm_mla.tools.cli soak --device cuda --weights "$w" --json \
     > "$OUT/soak_$w.json"
   echo "soak $w exit $?"; tail -16 "$OUT/soak_$w.json"
 done
-timeout 90 "$PY" -m vllm_mla.cli soak --device cuda --weights mxfp8-flashinfer \
+timeout 90 "$PY" -m vllm_mla.tools.cli soak --device cuda --weights mxfp8-flashinfer \
   --absorbed direct --no-release --cycles 300 --json > "$OUT/soak_direct.json"
 echo "soak direct exit $?"; tail -16 "$OUT/soak_direct.json"
 fi

@@ -365,9 +365,8 @@ def ours_case(config, heads: int, indexer, stubs: Stubs) -> Case:
     prepared as vLLM's post-load does. Kept small: adapt here when preparation moves."""
     from vllm.config import set_current_vllm_config
 
-    import vllm_mla.ops.sparse_mla as kernel
     from vllm_mla import envs
-    from vllm_mla.ops.sparse_mla import forward, triton_kernels
+    from vllm_mla.ops.sparse_mla import api, dispatch, triton_kernels
     from vllm_mla.vllm.sparse import impl as impl_mod
     from vllm_mla.vllm.sparse.impl import B12XMLASparseImpl
     from vllm_mla.vllm.sparse.metadata import B12XMLASparseMetadataBuilder
@@ -382,22 +381,24 @@ def ours_case(config, heads: int, indexer, stubs: Stubs) -> Case:
                 name,
                 NoopJIT(name),
                 "our Triton kernel (launcher object, as vLLM's conversion kernel); our "
-                "launch() Python still runs",
+                "LaunchSite.launch Python still runs",
                 "ours",
             )
         stubs.set(
-            kernel,
+            api,
             "select_impl",
             select_triton,
             "plan our impl as on a CUDA device without b12x (CPU picks 'reference')",
             "ours",
         )
-        stubs.set(forward, "select_impl", select_triton, "as above (the module's own name)", "ours")
+        stubs.set(
+            dispatch, "select_impl", select_triton, "as above (the dispatcher's own name)", "ours"
+        )
         stubs.set(
             envs,
             "triton_interpret",
             lambda: True,
-            "forward._resolve accepts impl='triton' for CPU tensors only under the Triton "
+            "dispatch.resolve accepts impl='triton' for CPU tensors only under the Triton "
             "interpreter; on CUDA the check is device.type == 'cuda'",
             "ours",
         )

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment
 
-from vllm_mla.qualify import QualifyConfig, failed_checks, run_qualify
+from vllm_mla.tools.qualify import QualifyConfig, failed_checks, run_qualify
 from vllm_mla.weights.forms import FORMS
 
 MIB = 1 << 20

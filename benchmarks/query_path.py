@@ -28,14 +28,14 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 import common
 
 from vllm_mla.ops import query_bmm
-from vllm_mla.ops import query_projection as qp_mod
+from vllm_mla.ops.base import MXFP8Weight
 from vllm_mla.ops.query_projection import (
-    MXFP8Weight,
     can_fuse_query_projection,
     mla_query_projection,
-    prewarm,
+    prewarm_query_projection,
     staged_query_projection,
 )
+from vllm_mla.ops.query_projection import reference as qp_reference
 from vllm_mla.quant import mxfp8
 
 L, R, V = 512, 64, 128
@@ -109,7 +109,9 @@ def check_graph_replay(m, h, p, fmt, out_dtype, device, gen) -> dict:
     q, weights, out, scale = make_case(m, h, p, fmt, out_dtype, device, gen)
     w = weights[0]
     qn, qp_ = q[..., :p], q[..., p:]
-    prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
+    prewarm_query_projection(
+        [m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device
+    )
     latent = torch.empty(h, m, L, dtype=torch.bfloat16, device=device)
     safe = fmt == "bf16"
 
@@ -147,10 +149,12 @@ def check_graph_replay(m, h, p, fmt, out_dtype, device, gen) -> dict:
 def time_case(m, h, p, fmt, out_dtype, device, gen, bandwidth) -> dict:
     q, weights, out, scale = make_case(m, h, p, fmt, out_dtype, device, gen)
     qn, qp_ = q[..., :p], q[..., p:]
-    prewarm([m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device)
+    prewarm_query_projection(
+        [m], num_heads=h, nope_dim=p, weight_format=fmt, out_dtype=out_dtype, device=device
+    )
 
     # Upstream keeps a BF16 W_UK_T even for an MXFP8 checkpoint: staged reads that.
-    staged_weights = [qp_mod._bf16_weight(w).contiguous() for w in weights]
+    staged_weights = [qp_reference.bf16_weight(w).contiguous() for w in weights]
 
     def staged():
         for w in staged_weights:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth, environment, graph_time_us
 
 from vllm_mla.ops.sparse_indexer import RECORD_BYTES, reference
-from vllm_mla.ops.sparse_indexer import triton_kernels as tk
+from vllm_mla.ops.sparse_indexer import api as tk
 
 BLOCK = 64
 TOPK = 2048

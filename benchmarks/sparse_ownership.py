@@ -70,6 +70,7 @@ from sparse_mla import environment, errors  # reuse: same tolerances, same env r
 from vllm_mla import envs
 from vllm_mla.memory import AllocationTrace, storage_key
 from vllm_mla.ops import sparse_mla as sm
+from vllm_mla.ops.base import TRITON_AVAILABLE
 from vllm_mla.ops.sparse_mla import (
     HEAD_DIM,
     LATENT,
@@ -81,7 +82,6 @@ from vllm_mla.ops.sparse_mla import (
     pack_rows,
     sparse_mla_reference,
 )
-from vllm_mla.ops.sparse_mla.forward import TRITON_AVAILABLE
 
 SCALE = HEAD_DIM**-0.5  # the session's default softmax scale (run() passes it)
 FILL_CHUNK = 1 << 16  # pool rows packed per step (bounds the fill's temporaries)

@@ -321,7 +321,7 @@ void safe_mla_query_bmm(Tensor query, Tensor weight, Tensor out) {
 STABLE_TORCH_LIBRARY_FRAGMENT(vllm_mla, m) {
 #if defined(TORCH_VERSION_2_13_0) && TORCH_FEATURE_VERSION >= TORCH_VERSION_2_13_0
   // The fake (meta) impl is registered from this Python module; torch checks the name.
-  m.set_python_module("vllm_mla.ops.query_bmm");
+  m.set_python_module("vllm_mla.ops.query_bmm.custom_op");
 #endif
   m.def("safe_mla_query_bmm(Tensor query, Tensor weight, Tensor(a!) out) -> ()");
 }

@@ -150,9 +150,9 @@ for mod in pkgutil.walk_packages(vllm_mla.__path__, "vllm_mla."):
         failed.append(f"{mod.name}: {type(exc).__name__}: {exc}")
 print(f"{count} modules imported; {len(skipped)} skipped (need vLLM): {', '.join(skipped)}")
 from vllm_mla.ops import query_bmm, query_projection
-from vllm_mla.ops.sparse_mla import forward
+from vllm_mla.ops.sparse_mla import dispatch
 
-print("TRITON_AVAILABLE", query_projection.TRITON_AVAILABLE, forward.TRITON_AVAILABLE)
+print("TRITON_AVAILABLE", query_projection.TRITON_AVAILABLE, dispatch.TRITON_AVAILABLE)
 print("cuda_op_available", query_bmm.cuda_op_available(), "-", query_bmm.cuda_op_error())
 for line in failed:
     print("FAILED", line)
@@ -166,7 +166,7 @@ PY
     if (cd benchmarks && pyrun "$ROOT/$script" --help >/dev/null); then echo "ok   $script"
     else echo "FAIL $script --help"; ok=1; fi
   done
-  pyrun -m vllm_mla.cli --help >/dev/null && echo "ok   vllm-mla --help" || ok=1
+  pyrun -m vllm_mla.tools.cli --help >/dev/null && echo "ok   vllm-mla --help" || ok=1
   return $ok
 }
 

@@ -37,7 +37,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   # A build leftover: from the repository root it would shadow the installed entry
   # points (vLLM finds the plugin through them).
   rm -rf vllm_mla.egg-info
-  .venv/bin/python -c "import vllm_mla.cli" # fail here, not later, if the install broke
+  .venv/bin/python -c "import vllm_mla.tools.cli" # fail here, not later, if the install broke
   echo "$want" > "$stamp"
 fi
 

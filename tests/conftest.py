@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vllm_mla.geometry import MLAGeometry, RankGeometry
-from vllm_mla.weights.standins import MLALayer, build_layer, source_tensors, synthetic_weight
+from vllm_mla.tools.standins import MLALayer, build_layer, source_tensors, synthetic_weight
 
 FORMATS = ("bf16", "fp8-block", "mxfp8")
 
@@ -34,7 +34,7 @@ def reference_pair(geo: RankGeometry, fmt: str, seed: int = 0) -> tuple[torch.Te
     """W_UK_T, W_UV computed directly from the definition (independent of the lifecycle):
     the exact float32 dequantization of the checkpoint tensors, rounded once to bf16."""
     from vllm_mla.quant import fp8_block, mxfp8
-    from vllm_mla.weights.standins import checkpoint_tensors
+    from vllm_mla.tools.standins import checkpoint_tensors
 
     weight = synthetic_weight(geo, seed=seed, layer=0, std=0.5)
     ckpt = checkpoint_tensors(weight, fmt)

@@ -50,7 +50,7 @@ def exact_dots(q, keys, cache, kv_format) -> bool:
     return True
 
 
-def sparse_mla_bound(q, cache, indices, scale, kv_format, lengths=None, *, sides=2):
+def sparse_mla_bound(q, cache, indices, scale, kv_format, lengths=None, *, sides=2, sink=None):
     """``(out_tol [T, H, 512], lse_tol [T, H])`` float64: |a - b| for two fp32 sparse-MLA
     evaluations of the same inputs in any summation orders (``sides=2``), or for one
     against the exact result (``sides=1``). Rounding of the output dtype not included.
@@ -61,7 +61,12 @@ def sparse_mla_bound(q, cache, indices, scale, kv_format, lengths=None, *, sides
     (its logit and the normaliser) plus ``(K + WEIGHT_ROUNDINGS) u`` (the K-term sum l);
     ``out_d = sum_j w_j v_jd`` adds ``K u`` of ``M_d = sum_j w_j |v_jd|``. So
     ``|d out_d| <= (2 e + (2 K + WEIGHT_ROUNDINGS) u) M_d`` and
-    ``|d lse| <= e + (K + WEIGHT_ROUNDINGS) u + 4 u |lse|``."""
+    ``|d lse| <= e + (K + WEIGHT_ROUNDINGS) u + 4 u |lse|``.
+
+    ``sink`` (fp32 ``[H]``): one more logit per head in the denominator, so the weights,
+    ``M_d`` and ``lse`` are the sink-softmax's, the sums have ``K + 1`` terms, and ``e``
+    also bounds the sink logit's error, ``EXACT_LOGIT_ROUNDINGS * u * (|sink| + |lse|)``
+    (its ``log2 e`` and ``ln 2`` roundings and the max subtracted; no dot)."""
     q_nope, q_pe = (q[..., :LATENT], q[..., LATENT:]) if torch.is_tensor(q) else q
     q = torch.cat([q_nope.cpu().double(), q_pe.cpu().double()], -1)
     idx = indices.cpu().long()
@@ -71,19 +76,31 @@ def sparse_mla_bound(q, cache, indices, scale, kv_format, lengths=None, *, sides
     valid = (idx >= 0) & (idx < cache.shape[0] * cache.shape[1])
     if lengths is not None:
         valid &= torch.arange(k)[None, :] < lengths.cpu().long()[:, None]
-    kv_c, k_pe = unpack_rows(cache.cpu(), torch.where(valid, idx, 0), kv_format)
-    keys = torch.cat([kv_c, k_pe], -1).double()  # [T, K, 576]
+    rope = q_pe.shape[-1]  # 64, or 0 (no RoPE: the keys are kv_c alone)
+    kv_c, k_pe = unpack_rows(cache.cpu(), torch.where(valid, idx, 0), kv_format, rope)
+    keys = torch.cat([kv_c, k_pe], -1).double()  # [T, K, 512 + rope]
     mask = ~valid[:, None, :]
     a = scale * torch.einsum("thd,tkd->thk", q.abs(), keys.abs()).masked_fill(mask, 0.0)
     s = scale * torch.einsum("thd,tkd->thk", q, keys).masked_fill(mask, float("-inf"))
-    w = torch.softmax(s, -1).nan_to_num(0.0)  # a row without a valid index: all 0
+    if sink is None:
+        w = torch.softmax(s, -1).nan_to_num(0.0)  # a row without a valid index: all 0
+        lse = torch.logsumexp(s, -1)
+        sink_abs = torch.zeros(())
+    else:
+        k += 1  # the sink: one more term of every sum over the row
+        sinks = sink.cpu().double()[None, :, None].expand(*s.shape[:2], 1)
+        lse = torch.logsumexp(torch.cat([s, sinks], -1), -1)
+        w = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        sink_abs = sinks[..., 0].abs().nan_to_num(0.0, posinf=0.0)
     m = torch.einsum("thk,tkd->thd", w, keys[..., :LATENT].abs())
-    lse = torch.logsumexp(s, -1).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    lse = lse.nan_to_num(0.0, posinf=0.0, neginf=0.0)
     if exact_dots(q, keys.masked_fill(~valid[..., None], 0.0), cache, kv_format):
-        s_max = s.abs().masked_fill(mask, 0.0).amax(-1)
+        s_max = torch.maximum(s.abs().masked_fill(mask, 0.0).amax(-1), sink_abs)
         e = EXACT_LOGIT_ROUNDINGS * U * (s_max + lse.abs())
     else:
         e = LOGIT_ROUNDINGS * U * a.amax(-1)
+        if sink is not None:  # the sink logit's own roundings, as an exact logit's
+            e = torch.maximum(e, EXACT_LOGIT_ROUNDINGS * U * (sink_abs + lse.abs()))
     out_tol = sides * (torch.expm1(2 * e) + (2 * k + WEIGHT_ROUNDINGS) * U)[..., None] * m
     lse_tol = sides * (e + (k + WEIGHT_ROUNDINGS) * U + 4 * U * lse.abs())
     return out_tol, lse_tol

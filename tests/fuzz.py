@@ -44,7 +44,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from vllm_mla import envs
-from vllm_mla.ops import query_projection as qp
+from vllm_mla.ops.base import TRITON_AVAILABLE
 
 # --- budgets ----------------------------------------------------------------------------------
 
@@ -58,7 +58,7 @@ FUZZ = settings.get_profile(PROFILE)
 
 CUDA = torch.cuda.is_available()
 DEVICES = ("cpu", "cuda") if CUDA else ("cpu",)
-TRITON = qp.TRITON_AVAILABLE
+TRITON = TRITON_AVAILABLE
 # Where the Triton kernels run: CUDA, else the CPU interpreter (tests/conftest.py sets it).
 TRITON_DEVICES = (
     ("cuda",) if CUDA and TRITON else (("cpu",) if TRITON and envs.triton_interpret() else ())

@@ -11,6 +11,7 @@ from conftest import FORMATS, make_layer, reference_pair
 from torch import nn
 
 from vllm_mla.memory import AllocationTrace
+from vllm_mla.tools.standins import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights import (
     LifecycleConfig,
     LifecycleError,
@@ -21,7 +22,6 @@ from vllm_mla.weights import (
     post_load,
 )
 from vllm_mla.weights.forms import read_source
-from vllm_mla.weights.standins import build_layer, source_tensors, synthetic_weight
 
 RELEASE = LifecycleConfig(release_source=True, dense_mha_prefill=False)
 

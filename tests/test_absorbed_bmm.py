@@ -11,9 +11,10 @@ from vllm_mla.ops.absorbed_matmul import (
     AbsorbedBmmError,
     MXFP8Weight,
     absorbed_bmm,
+    absorbed_bmm_reference,
     mla_v_projection,
-    reference,
 )
+from vllm_mla.ops.absorbed_matmul import reference as ab_reference
 from vllm_mla.quant import mxfp8
 
 pytest.importorskip("triton")
@@ -52,7 +53,7 @@ def activation(role: str, h: int, m: int, lat: int, dtype: torch.dtype, seed: in
 
 def assert_close_to_reference(got, a, weight):
     """Equal to the reference up to fp32 summation order (and one rounding of the result)."""
-    want = reference(a, weight)
+    want = absorbed_bmm_reference(a, weight)
     w = ab.decode(weight, torch.float32) if isinstance(weight, MXFP8Weight) else weight.float()
     terms = torch.bmm(a.float().abs(), w.abs())
     # each side's fp32 sum of K terms, any order: <= K * 2**-24 of sum|terms|; two sides
@@ -79,7 +80,7 @@ def test_matches_reference_on_strided_pack_views(role, fmt, dtype, h, m):
     assert result is out
     assert_close_to_reference(out, a, weight)
     assert torch.isnan(big[..., :4]).all() and torch.isnan(big[..., 4 + n :]).all()
-    path = ab.plan_path(*ab._parts(weight), dtype)
+    path = ab.plan_path(*ab.parts(weight), dtype)
     assert ab.calls() == {f"{path}:{role}": 1}
 
 
@@ -97,12 +98,12 @@ def test_paths_are_chosen_by_the_weight(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_torch_path_is_the_reference_bit_for_bit(monkeypatch, dtype):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ab, "DECODE_SCRATCH_BYTES", 1)  # one head per chunk
+    monkeypatch.setattr(ab_reference, "DECODE_SCRATCH_BYTES", 1)  # one head per chunk
     weight = weight_of("W_UV", "mxfp8", 3, 64, dtype)
     a = activation("W_UV", 3, 4, 64, dtype)
     # bit-exact: the same fp32 decode and torch.bmm on both sides, per head (batch 1) vs all
     # heads (batch 3); relies on torch's CPU bmm computing a batch matrix by matrix
-    assert torch.equal(absorbed_bmm(a, weight), reference(a, weight))
+    assert torch.equal(absorbed_bmm(a, weight), absorbed_bmm_reference(a, weight))
 
 
 def test_triton_and_torch_paths_agree_in_fp32(monkeypatch):
@@ -118,7 +119,7 @@ def test_triton_and_torch_paths_agree_in_fp32(monkeypatch):
         ab.reset_calls()
         runs[path] = absorbed_bmm(a, weight, role="W_UK_T")
         assert ab.calls() == {f"{path}:W_UK_T": 1}
-    assert torch.equal(runs["torch-mxfp8"], reference(a, weight))
+    assert torch.equal(runs["torch-mxfp8"], absorbed_bmm_reference(a, weight))
     assert_close_to_reference(runs["triton"], a, weight)
     assert not torch.equal(runs["triton"], torch.zeros_like(runs["triton"]))
 

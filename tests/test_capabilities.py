@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_mla.backends import (
+from vllm_mla.vllm.capabilities import (
     BackendCapabilities,
     CapabilityError,
     capabilities_for,

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_mla.geometry import MLAGeometry
-from vllm_mla.weights.checkpoint import CheckpointError, checkpoint_format, load_kv_b_proj
-from vllm_mla.weights.standins import checkpoint_tensors
+from vllm_mla.tools.checkpoint import CheckpointError, checkpoint_format, load_kv_b_proj
+from vllm_mla.tools.standins import checkpoint_tensors
 
 MODEL = MLAGeometry(4, 64, 16, 64, 64, 2, name="tiny")  # 128 rows per head: FP8 blocks align
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_mla import qualify as qualify_mod
-from vllm_mla.cli import main
 from vllm_mla.geometry import preset
-from vllm_mla.weights.standins import checkpoint_tensors, synthetic_weight
+from vllm_mla.tools import qualify as qualify_mod
+from vllm_mla.tools.cli import main
+from vllm_mla.tools.standins import checkpoint_tensors, synthetic_weight
 
 SIDE_KEYS = {
     "absorbed_bytes": int,
@@ -177,7 +178,7 @@ def test_human_table(capsys):
 
 
 def test_failed_check_exits_1(capsys, monkeypatch):
-    monkeypatch.setattr(qualify_mod, "_max_abs_err", lambda a, b: 1.0)
+    monkeypatch.setattr(qualify_mod, "max_abs_err", lambda a, b: 1.0)
     code, report = run_json(capsys, *SMALL)
     assert code == 1 and report["checks"]["parity_ok"] is False
 
@@ -230,3 +231,38 @@ def test_cuda_without_gpu_is_a_usage_error(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["qualify", "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "config", "spelled_otherwise"),
+    [
+        (["qualify"], "QualifyConfig", {"release", "max_scratch_bytes"}),
+        # library-only: the CLI keeps their defaults
+        (
+            ["make-model", "/tmp/x"],
+            "TinyModelSpec",
+            {"intermediate", "max_position", "index_head_dim"},
+        ),
+        (["soak"], "SoakConfig", {"release", "replay", "max_scratch_bytes"}),
+    ],
+)
+def test_every_config_field_is_an_option_of_the_same_name(command, config, spelled_otherwise):
+    """``_from_args`` fills a config from the options named as its fields: a field without
+    one would silently keep its default whatever the user passed (the others are listed:
+    spelled another way, or library-only)."""
+    from vllm_mla.tools import cli
+
+    cls = getattr(cli, config)
+    args = cli._parser().parse_args(command)
+    names = {f.name for f in dataclasses.fields(cls)}
+    missing = {n for n in names - spelled_otherwise if not hasattr(args, n)}
+    assert not missing, f"{config} fields without a --option of the same name: {missing}"
+    # and _from_args carries each option's value into its field (a mirror dataclass takes
+    # any value, so every option can hold a distinct marker)
+    mirror = dataclasses.make_dataclass("Mirror", [(n, object, None) for n in names])
+    for n in names - spelled_otherwise:
+        setattr(args, n, f"marker {n}")
+    extra = {n: f"given {n}" for n in spelled_otherwise}
+    made = cli._from_args(mirror, args, **extra)
+    assert all(getattr(made, n) == f"marker {n}" for n in names - spelled_otherwise)
+    assert all(getattr(made, n) == f"given {n}" for n in spelled_otherwise)

@@ -21,6 +21,7 @@ import torch
 from torch.utils import cpp_extension
 
 from vllm_mla.ops import query_bmm
+from vllm_mla.ops.query_bmm import custom_op as query_bmm_op
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "query_bmm.cu"
@@ -159,8 +160,8 @@ def test_cpp_registration_coexists_with_python_impls(compiled, tmp_path):
 
 def test_python_schema_matches_cpp():
     defined = re.search(r'm\.def\("([^"]+)"\)', SOURCE.read_text()).group(1)
-    assert defined == query_bmm._SCHEMA
-    assert f'set_python_module("{query_bmm.__name__}")' in SOURCE.read_text()
+    assert defined == query_bmm.SCHEMA
+    assert f'set_python_module("{query_bmm_op.__name__}")' in SOURCE.read_text()
 
 
 # --- setup.py's decision logic ----------------------------------------------------------------

@@ -12,11 +12,11 @@ import torch
 from vllm_mla.memory import AllocationTrace, Ledger
 from vllm_mla.ops import absorbed_matmul as ab
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
-from vllm_mla.qualify import load_into
+from vllm_mla.tools.qualify import load_into
+from vllm_mla.tools.standins import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights import LifecycleConfig, PostLoadError, baseline_post_load, faults, post_load
 from vllm_mla.weights.direct import DirectModeError
 from vllm_mla.weights.sources import module_tensors
-from vllm_mla.weights.standins import build_layer, source_tensors, synthetic_weight
 
 DIRECT = LifecycleConfig(absorbed="direct")
 DIRECT_RELEASE = LifecycleConfig(absorbed="direct", release_source=True, dense_mha_prefill=False)

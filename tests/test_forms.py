@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from vllm_mla.quant import fp8_block
+from vllm_mla.tools.standins import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights import LifecycleConfig, PostLoadError, faults, forms, post_load
 from vllm_mla.weights.forms import FORM_NAMES, FORMS
 from vllm_mla.weights.sources import module_tensors
-from vllm_mla.weights.standins import build_layer, source_tensors, synthetic_weight
 
 RELEASE = LifecycleConfig(release_source=True, dense_mha_prefill=False)
 

@@ -120,7 +120,7 @@ def test_out_with_internal_overlap_is_refused(op, data):
 
 # Before the fix: out = a (dense bf16, K == N) was not refused and CPU torch.bmm(out=) read
 # what it had already written (errors of O(100)); an MXFP8 weight with N = 0 raised
-# ZeroDivisionError under TRITON_INTERPRET=1 (launch._bmm_tiles: block_n =
+# ZeroDivisionError under TRITON_INTERPRET=1 (absorbed_matmul.kernel.tiles: block_n =
 # next_power_of_2(0) = 0, then triton.cdiv(0, 0)); a list as scales raised a bare
 # AttributeError ('list' object has no attribute 'dtype') from validate().
 ABSORBED_EDGES = ["out aliases a", "mxfp8 N = 0", "scales not a tensor"]

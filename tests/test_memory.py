@@ -7,8 +7,8 @@ import torch
 from conftest import make_layer
 
 from vllm_mla.memory import AllocationTrace, Ledger
+from vllm_mla.tools.standins import build_layer, source_tensors, synthetic_weight
 from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
-from vllm_mla.weights.standins import build_layer, source_tensors, synthetic_weight
 
 MIB = 1 << 20
 

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from vllm_mla import plot as plot_mod
-from vllm_mla.cli import main
 from vllm_mla.memory import AllocationTrace
-from vllm_mla.qualify import QualifyConfig, run_qualify
+from vllm_mla.tools import plot as plot_mod
+from vllm_mla.tools.cli import main
+from vllm_mla.tools.qualify import QualifyConfig, run_qualify
 
 SMALL = ["--preset", "deepseek-v2-lite", "--tp", "1", "--layers", "2", "--device", "cpu"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -105,7 +105,7 @@ def test_title_names_the_run(small_run):
 @pytest.mark.parametrize("name", ["mem.jpg", "mem", "missing-folder/mem.png"])
 def test_bad_plot_path_is_a_usage_error_before_the_run(tmp_path, capsys, monkeypatch, name):
     monkeypatch.setattr(
-        "vllm_mla.cli.run_qualify", lambda *a, **k: pytest.fail("ran before checking --plot")
+        "vllm_mla.tools.cli.run_qualify", lambda *a, **k: pytest.fail("ran before checking --plot")
     )
     assert main(["qualify", *SMALL, "--plot", str(tmp_path / name)]) == 2
     err = capsys.readouterr().err
@@ -116,7 +116,7 @@ def test_missing_matplotlib_is_a_one_line_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setattr(
-        "vllm_mla.cli.run_qualify", lambda *a, **k: pytest.fail("ran without matplotlib")
+        "vllm_mla.tools.cli.run_qualify", lambda *a, **k: pytest.fail("ran without matplotlib")
     )
     assert main(["qualify", *SMALL, "--plot", str(tmp_path / "mem.png")]) == 2
     assert capsys.readouterr().err == (
@@ -135,6 +135,6 @@ def test_write_plot_without_matplotlib_raises_the_typed_error(small_run, tmp_pat
 
 
 def test_importing_the_cli_does_not_import_matplotlib():
-    code = "import sys, vllm_mla.cli; print('matplotlib' in sys.modules)"
+    code = "import sys, vllm_mla.tools.cli; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

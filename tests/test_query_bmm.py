@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vllm_mla.ops import query_bmm
+from vllm_mla.ops.query_bmm import custom_op as query_bmm_op
 from vllm_mla.ops.query_bmm import safe_mla_query_bmm
 
 R = 64  # rope part of the decode q; the op reads only the nope part
@@ -235,8 +236,8 @@ def test_availability_is_consistent():
 
 def test_sm12x_fallback_copies_and_logs_once(monkeypatch, caplog):
     """The CUDA fallback's SM12x branch, driven with CPU tensors."""
-    monkeypatch.setattr(query_bmm, "_is_sm12x", lambda index: True)
-    query_bmm._log_copy_path_once.cache_clear()
+    monkeypatch.setattr(query_bmm_op, "_is_sm12x", lambda index: True)
+    query_bmm_op._log_copy_path_once.cache_clear()
     copies = []
     real_contiguous = torch.Tensor.contiguous
 
@@ -248,9 +249,9 @@ def test_sm12x_fallback_copies_and_logs_once(monkeypatch, caplog):
     query, weight, out = operands()
     with caplog.at_level(logging.WARNING, logger="vllm_mla"):
         for _ in range(2):
-            query_bmm._cuda_fallback(query, weight, out)
+            query_bmm_op._cuda_fallback(query, weight, out)
     assert torch.equal(out, torch.bmm(query, weight))
     assert False in copies  # the strided query went through .contiguous()
     assert len(caplog.records) == 1
     assert "contiguous copy of the query" in caplog.records[0].getMessage()
-    query_bmm._log_copy_path_once.cache_clear()
+    query_bmm_op._log_copy_path_once.cache_clear()

@@ -19,13 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_mla.ops import absorbed_matmul as ab
 from vllm_mla.ops import query_fusion as qf
-from vllm_mla.ops.absorbed_matmul import MXFP8Weight
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
+from vllm_mla.ops.base import MXFP8Weight
 from vllm_mla.ops.query_projection import staged_query_projection
 from vllm_mla.quant import mxfp8
 
 pytest.importorskip("triton")
-from vllm_mla.ops.triton import launch
+from vllm_mla.ops import capture
 
 H, P, L, R = 4, 128, 512, 64
 
@@ -180,8 +180,8 @@ def test_a_consumer_that_declines_runs_the_bmm_first(monkeypatch, decline):
     elif decline == "q_pe dtype":
         result = qf.project_bf16(ql, q_pe.float())
     elif decline == "not prewarmed":
-        monkeypatch.setattr(launch, "_compiled", set())
-        monkeypatch.setattr(launch, "capturing", lambda device: True)
+        monkeypatch.setattr(capture, "_compiled", set())
+        monkeypatch.setattr(capture, "capturing", lambda device: True)
         result = qf.project_bf16(ql, q_pe)
     else:
         if decline == "scale_ub":

@@ -5,19 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_mla.ops import query_projection as qp
+from vllm_mla.ops import capture
+from vllm_mla.ops.base import MXFP8Weight
 from vllm_mla.ops.query_projection import (
-    MXFP8Weight,
     QueryProjectionNotPrewarmed,
     can_fuse_query_projection,
     mla_query_projection,
-    prewarm,
+    prewarm_query_projection,
     staged_query_projection,
 )
+from vllm_mla.ops.query_projection import api as qp_api
+from vllm_mla.ops.query_projection import reference as qp_reference
 from vllm_mla.quant import mxfp8
 
 pytest.importorskip("triton")
-from vllm_mla.ops.triton import launch
+from vllm_mla.ops.query_projection import kernel as qp_kernel
 
 L, R, V = 512, 64, 128
 
@@ -47,7 +49,7 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 def assert_within_one_bf16_ulp(got, ref, q_nope, weight):
     """|got - ref| <= one bf16 ulp, plus the fp32 summation-order bound P * 2**-23 * sum|q w|
     (which only matters under cancellation, where the result is far below its terms)."""
-    w = qp._bf16_weight(weight).float()
+    w = qp_reference.bf16_weight(weight).float()
     terms = torch.bmm(q_nope.float().abs().transpose(0, 1), w.abs()).transpose(0, 1)
     tol = bf16_ulp(torch.maximum(got.float().abs(), ref.float().abs()))  # 2 half-ulp roundings
     tol = tol + q_nope.shape[-1] * 2.0**-23 * terms  # 2 fp32 sums, each <= P * 2**-24 * terms
@@ -157,7 +159,7 @@ def test_mxfp8_extreme_scale_codes():
 
 def count_paths(monkeypatch):
     calls = {"fused": 0, "staged": 0}
-    real_fused, real_staged = launch.fused_query_projection, qp._staged
+    real_fused, real_staged = qp_kernel.launch, qp_reference.staged
 
     def fused(*a, **k):
         calls["fused"] += 1
@@ -167,8 +169,8 @@ def count_paths(monkeypatch):
         calls["staged"] += 1
         return real_staged(*a, **k)
 
-    monkeypatch.setattr(launch, "fused_query_projection", fused)
-    monkeypatch.setattr(qp, "_staged", staged)
+    monkeypatch.setattr(qp_kernel, "launch", fused)
+    monkeypatch.setattr(qp_reference, "staged", staged)
     return calls
 
 
@@ -208,7 +210,7 @@ def test_gated_shape_runs_fused(monkeypatch):
 
 def test_no_triton_device_runs_staged(monkeypatch):
     calls = count_paths(monkeypatch)
-    monkeypatch.setattr(qp.envs, "triton_interpret", lambda: False)
+    monkeypatch.setattr(qp_api.envs, "triton_interpret", lambda: False)
     run(4, 2, 128)
     assert calls == {"fused": 0, "staged": 2}
 
@@ -334,12 +336,15 @@ def test_q_scale_must_be_an_fp32_scalar():
 
 
 def test_prewarm_compiles_every_gated_m_and_capture_refuses_new_variants(monkeypatch):
-    monkeypatch.setattr(launch, "_compiled", set())
+    monkeypatch.setattr(capture, "_compiled", set())
     assert (
-        prewarm([1, 2, 3, 65], num_heads=3, nope_dim=192, weight_format="mxfp8", device="cpu") == 3
+        prewarm_query_projection(
+            [1, 2, 3, 65], num_heads=3, nope_dim=192, weight_format="mxfp8", device="cpu"
+        )
+        == 3
     )
-    assert {v[4] for v in launch.compiled_variants()} == {16}  # M 1..3 share one tile bucket
-    monkeypatch.setattr(launch, "capturing", lambda device: True)
+    assert {v[4] for v in capture.compiled_variants()} == {16}  # M 1..3 share one tile bucket
+    monkeypatch.setattr(capture, "capturing", lambda device: True)
     m, h, p = 3, 3, 192
     q = torch.zeros(m, h, p + R).bfloat16()
     t = mxfp8.quantize(torch.zeros(h, p, L), axis=-1)

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from vllm_mla import cli, soak
-from vllm_mla.qualify import QualifyError
-from vllm_mla.soak import SoakConfig, run_soak
+from vllm_mla.tools import cli, soak
+from vllm_mla.tools.qualify import QualifyError
+from vllm_mla.tools.soak import SoakConfig, run_soak
 from vllm_mla.weights import post_load
 
 

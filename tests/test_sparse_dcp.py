@@ -23,6 +23,7 @@ from error_bounds import U, sparse_mla_bound
 from vllm_mla.ops import sparse_indexer
 from vllm_mla.ops.dcp import NO_DCP, DCPShard, lse_merge
 from vllm_mla.ops.sparse_indexer import dcp as dcp_topk
+from vllm_mla.ops.sparse_indexer.dispatch import kernels_for
 from vllm_mla.ops.sparse_mla import (
     KV_FORMATS,
     LATENT,
@@ -471,7 +472,7 @@ def test_the_cuda_paths_dcp_selection_equals_its_selection_without(n, interleave
     pytest.importorskip("triton")
     from vllm_mla.vllm.sparse import indexer
 
-    kernels = indexer.triton_kernels()
+    kernels = kernels_for(torch.device("cpu"), "triton")
     (q, weights), (layer1, meta1), ranks = indexer_step(n, interleave, seed=1)
     hidden = torch.zeros(5, 8)
     oracle = indexer.select(layer1, hidden, q, None, weights, meta1, indexer.ReferenceKernels)

@@ -10,7 +10,8 @@ from vllm_mla.ops.sparse_indexer import reference as ref
 from vllm_mla.ops.sparse_indexer.reference import RECORD_BYTES, IndexerError
 
 pytest.importorskip("triton")
-from vllm_mla.ops.sparse_indexer import triton_kernels as tk
+from vllm_mla.ops.sparse_indexer import api as tk
+from vllm_mla.ops.sparse_indexer import triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -373,7 +374,7 @@ def test_kernels_compile_for_gpu_targets():
     """Lower both kernels to cubin for sm80/89/90/120 with Triton's bundled ptxas (no GPU
     needed): logits at both head tiles the launcher uses (16, 32), e4m3 and bf16 queries.
     They compile, fit the 99 KiB shared-memory limit (SM89, SM12x) and do not spill."""
-    assert {tk._block_h(h) for h in (1, 16, 17, 32, 64, 128)} == {16, 32}
+    assert {triton_kernels._block_h(h) for h in (1, 16, 17, 32, 64, 128)} == {16, 32}
 
     pytest.importorskip("triton.backends.nvidia")
     cases = []

@@ -13,7 +13,7 @@ from vllm_mla.ops.sparse_mla import (
     SparseMLAError,
     SparseMLANotPrepared,
     SparseMLATypeError,
-    forward,
+    dispatch,
     pack_rows,
     scratch_bytes,
     select_impl,
@@ -141,6 +141,7 @@ def test_head_tiles_read_each_gathered_row_once_up_to_32_heads():
 def test_direct_path_with_several_chunks(fmt, monkeypatch):
     """One split (the extend shape): the split kernel loops over chunks and writes out."""
     monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(kernels, "_sites", {})  # cached sites keep their split plans
     cache = make_cache(fmt)
     t, h, k = 2, 3, 75
     assert kernels.split_plan(t, h, k).direct
@@ -166,6 +167,8 @@ def test_splits_with_several_chunks_each(monkeypatch):
 def test_rows_without_valid_index(direct, monkeypatch):
     if direct:
         monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(kernels, "_sites", {})  # cached sites keep their split plans
+    assert kernels.split_plan(3, 2, 40).direct == direct
     cache = make_cache("fp8_ds_mla")
     idx = make_indices(3, 40, cache.shape[0] * cache.shape[1])
     idx[0] = -1
@@ -297,6 +300,7 @@ def test_prewarm_then_capture_refuses_new_variants(monkeypatch):
     cache = make_cache("fp8_ds_mla")
     # T=1 splits, T=4096 would not: two variants (the big one is run on all-empty rows).
     monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 8)
+    monkeypatch.setattr(kernels, "_sites", {})  # cached sites keep their split plans
     warmed = sm.prewarm(
         cache, num_heads=2, topk=40, kv_format="fp8_ds_mla", token_counts=[1, 2, 8], impl="triton"
     )
@@ -426,7 +430,7 @@ def test_bad_input_names_the_argument(change, exc, match):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(forward.envs, "triton_interpret", lambda: False)
+    monkeypatch.setattr(dispatch.envs, "triton_interpret", lambda: False)
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
         sparse_mla_forward(**good_args(), impl="triton")
 
@@ -482,8 +486,8 @@ def fake_cuda(monkeypatch, capability, *, b12x=None, supported=True, runner=True
     module = None
     if b12x:
         module = type("B12X", (), {"is_supported": staticmethod(lambda device: supported)})
-    monkeypatch.setattr(forward, "_b12x_module", lambda: module)
-    monkeypatch.setattr(forward, "_b12x_runner", (lambda *a, **k: None) if runner else None)
+    monkeypatch.setattr(dispatch, "_b12x_module", lambda: module)
+    monkeypatch.setattr(dispatch, "_b12x_runner", (lambda *a, **k: None) if runner else None)
 
 
 @pytest.mark.parametrize(
@@ -508,19 +512,26 @@ def test_select_impl(monkeypatch, capability, b12x, supported, runner, want):
 
 def test_auto_on_cpu_runs_the_reference_and_b12x_gets_validated_tensors(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "launch", lambda *a, **k: calls.append("triton"))
+
+    class Site:  # the Triton launch a call the b12x runner declines falls back to
+        def launch(self, *args, **kwargs):
+            calls.append("triton")
+
+    monkeypatch.setattr(kernels, "site_for", lambda *a, **k: Site())
     args = good_args()
     out, lse = sparse_mla_forward(**args, return_lse=True)
     assert calls == []
     ref, ref_lse = sparse_mla_reference(**args)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     got = {}
-    monkeypatch.setattr(forward, "_resolve", lambda impl, device: "b12x")
-    monkeypatch.setattr(forward, "_b12x_runner", lambda *a, **k: got.update(args=a, kw=k))
+    monkeypatch.setattr(dispatch, "resolve", lambda impl, device: "b12x")
+    monkeypatch.setattr(dispatch, "_b12x_runner", lambda *a, **k: got.update(args=a, kw=k))
     sparse_mla_forward(**args)
     q_nope, q_pe = got["args"][:2]
     assert q_nope.shape == (2, 2, 512) and q_pe.shape == (2, 2, 64)
-    assert got["kw"] == {"softmax_scale": SCALE, "kv_format": "bf16", "invalid": None}
+    want = {"softmax_scale": SCALE, "kv_format": "bf16", "invalid": None, "sink": None}
+    assert got["kw"] == want
+    assert calls == ["triton"]  # the runner returned a falsy value: not served
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
@@ -571,18 +582,20 @@ ALIGNED = {"s_bt", "H", "block_size", "s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s
            "s_o_t", "s_o_h"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 report = []
-for arch, fmt, direct, heads, *dcp in json.loads(sys.argv[1]):
+for arch, fmt, direct, heads, *extra in json.loads(sys.argv[1]):
+    dcp, sink, rope = extra + [0, 0, 64][len(extra):]
     fp8 = fmt == "fp8_ds_mla"
     bh = k.block_h(heads)
     sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16",
            "idx_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if direct else "*u8",
            "lse_ptr": "*fp32" if direct else "*u8", "l_ptr": "*bf16" if direct else "*u8",
-           "err_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "s_bt": "i32",
+           "err_ptr": "*i32", "sink_ptr": "*fp32", "req_ptr": "*i32", "bt_ptr": "*i32",
+           "s_bt": "i32",
            "bt_width": "i32", "dcp_period": "i32", "dcp_start": "i32", "dcp_interleave": "i32",
            **{n: "i32" for n in INTS},
            "qk_scale": "fp32", **{n: "i32" for n in STRIDES}}
     const = dict(FP8=fp8, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True, HAS_ERR=True,
-                 LOGICAL=True, DCP=bool(dcp and dcp[0]),
+                 LOGICAL=True, DCP=bool(dcp), SINK=bool(sink), ROPE=rope,
                  BLOCK_H=bh, BLOCK_K=k.BLOCK_K, INTERPRET=False)
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -599,8 +612,8 @@ for arch, fmt, direct, heads, *dcp in json.loads(sys.argv[1]):
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
                                    capture_output=True, text=True).stdout
     report.append({"arch": arch, "fmt": fmt, "direct": direct, "block_h": bh,
-                   "dcp": const["DCP"], "stages": stages, "shared": ck.metadata.shared,
-                   "usage": usage})
+                   "dcp": const["DCP"], "sink": const["SINK"], "rope": rope, "stages": stages,
+                   "shared": ck.metadata.shared, "usage": usage})
 print(json.dumps(report))
 """
 
@@ -609,7 +622,9 @@ def test_kernel_compiles_for_gpu_targets():
     """Lower the split kernel to cubin for sm80/89/90/120 at both head tiles the launcher
     uses (H=16 -> 16 heads per program, H=128 -> 32) with Triton's bundled ptxas (no GPU
     needed): it compiles, fits the 99 KiB shared-memory limit (SM12x, SM89) and does not
-    spill; also its DCP variant (the logical top-k filtered to this rank's shard)."""
+    spill; also its DCP variant (the logical top-k filtered to this rank's shard) and its
+    SINK variant (the attention sink folded into the direct epilogue; a split's partials
+    are the no-sink code); and its ROPE=0 variant (no RoPE piece)."""
 
     pytest.importorskip("triton.backends.nvidia")
     cases = [[90, "fp8_ds_mla", False, 16], [120, "fp8_ds_mla", True, 16]]
@@ -620,8 +635,16 @@ def test_kernel_compiles_for_gpu_targets():
     dcp = [[90, "fp8_ds_mla", False, 16, 1], [120, "fp8_ds_mla", True, 16, 1]]
     dcp += [[90, "fp8_ds_mla", False, 128, 1], [120, "fp8_ds_mla", True, 64, 1]]
     dcp += [[80, "bf16", True, 16, 1], [89, "fp8_ds_mla", True, 128, 1]]
-    report = compile_report(AOT_SCRIPT, cases + dcp)
-    assert [r["dcp"] for r in report] == [False] * len(cases) + [True] * len(dcp)
+    sink = [[120, "fp8_ds_mla", True, 16, 0, 1], [90, "fp8_ds_mla", True, 128, 0, 1]]
+    sink += [[80, "bf16", True, 64, 0, 1], [89, "fp8_ds_mla", True, 64, 1, 1]]
+    # ROPE=0 (latent-512 MLA without RoPE): the q_pe . k_pe piece not traced
+    rope0 = [[120, "fp8_ds_mla", True, 16, 0, 0, 0], [90, "fp8_ds_mla", False, 128, 1, 0, 0]]
+    rope0 += [[80, "bf16", True, 64, 0, 0, 0], [89, "bf16", False, 128, 0, 1, 0]]
+    report = compile_report(AOT_SCRIPT, cases + dcp + sink + rope0)
+    head, n = report[: -len(rope0)], len(rope0)
+    assert [r["dcp"] for r in head[: -len(sink)]] == [False] * len(cases) + [True] * len(dcp)
+    assert [r["sink"] for r in head] == [False] * (len(cases) + len(dcp)) + [True] * len(sink)
+    assert [r["rope"] for r in report] == [64] * len(head) + [0] * n
     assert {r["block_h"] for r in report} == {16, 32}
     assert_fits(report)
 

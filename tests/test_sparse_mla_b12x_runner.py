@@ -30,7 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_mla.ops.sparse_mla import b12x_runner, forward, sparse_mla_forward, sparse_mla_reference
+from vllm_mla.ops.sparse_mla import b12x_runner, dispatch, sparse_mla_forward, sparse_mla_reference
 from vllm_mla.ops.sparse_mla.formats import SparseMLANotPrepared, pack_rows
 
 kernels = importlib.import_module("vllm_mla.ops.sparse_mla.triton_kernels")
@@ -263,11 +263,11 @@ def fake_b12x_modules() -> dict[str, types.ModuleType]:
 @pytest.fixture
 def clean(monkeypatch):
     """Runner unregistered, b12x probe uncached, no plans, no freeze; restored afterwards."""
-    monkeypatch.setattr(forward, "_b12x_runner", None)
-    forward._b12x_module.cache_clear()
+    monkeypatch.setattr(dispatch, "_b12x_runner", None)
+    dispatch._b12x_module.cache_clear()
     b12x_runner.reset()
     yield monkeypatch
-    forward._b12x_module.cache_clear()
+    dispatch._b12x_module.cache_clear()
     b12x_runner.reset()
 
 
@@ -276,8 +276,8 @@ def fake_b12x(clean):
     for name, module in fake_b12x_modules().items():
         clean.setitem(sys.modules, name, module)
     assert b12x_runner.install()
-    # _resolve insists on a CUDA SM120 device; the fake runs the same path on CPU.
-    clean.setattr(forward, "_resolve", lambda impl, device: "b12x")
+    # resolve insists on a CUDA SM120 device; the fake runs the same path on CPU.
+    clean.setattr(dispatch, "resolve", lambda impl, device: "b12x")
     return sys.modules[b12x_runner.B12X_MODULE]
 
 
@@ -364,16 +364,26 @@ def test_fp8_ds_mla_through_b12x_equals_reference(fake_b12x, h, ragged, return_l
 def test_bf16_cache_and_fp32_q_go_to_triton(fake_b12x, monkeypatch):
     calls = []
 
-    def launch(args, kv_cache, indices, lengths, out, lse, scratch, scale, kv_format, *rest):
-        calls.append(kv_format)
-        ref, ref_lse = sparse_mla_reference(
-            (args.q_nope, args.q_pe), kv_cache, indices, scale, kv_format=kv_format, lengths=lengths
-        )
-        out.copy_(ref)
-        if lse is not None:
-            lse.copy_(ref_lse)
+    class Site:  # the Triton launch site dispatch.run falls back to, run as the reference
+        def __init__(self, kv_cache, heads, topk, kv_format, scale, q_dtype, rope=64):
+            self.kv_format, self.scale = kv_format, scale
 
-    monkeypatch.setattr(kernels, "launch", launch)
+        def launch(self, q_nope, q_pe, kv_cache, indices, out, scratch, lengths, lse, *rest, **kw):
+            calls.append(self.kv_format)
+            ref, ref_lse = sparse_mla_reference(
+                (q_nope, q_pe),
+                kv_cache,
+                indices,
+                self.scale,
+                kv_format=self.kv_format,
+                lengths=lengths,
+            )
+            out.copy_(ref)
+            if lse is not None:
+                lse.copy_(ref_lse)
+            return False
+
+    monkeypatch.setattr(kernels, "site_for", Site)
     for fmt, dtype in (("bf16", torch.bfloat16), ("fp8_ds_mla", torch.float32)):
         for h in (1, 16):
             q, cache, idx, lengths = make_case(fmt, 3, h, K, ragged=True)
@@ -606,9 +616,9 @@ def test_the_runner_builds_caps_from_exactly_the_declared_fields(fake_b12x):
 def test_install_is_a_noop_without_b12x(clean):
     clean.setitem(sys.modules, "b12x", None)  # find_spec -> None: not installed
     sentinel = object()
-    forward.register_b12x_runner(sentinel)
+    dispatch.register_b12x_runner(sentinel)
     assert b12x_runner.install() is False
-    assert forward._b12x_runner is sentinel
+    assert dispatch._b12x_runner is sentinel
 
 
 def test_importing_the_runner_imports_no_b12x():
@@ -620,6 +630,6 @@ def test_select_impl_with_the_fake_installed(clean, capability, want):
     for name, module in fake_b12x_modules().items():
         clean.setitem(sys.modules, name, module)
     clean.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    clean.setattr(forward, "TRITON_AVAILABLE", True)
+    clean.setattr(dispatch, "TRITON_AVAILABLE", True)
     assert b12x_runner.install()
-    assert forward.select_impl("cuda") == want
+    assert dispatch.select_impl("cuda") == want

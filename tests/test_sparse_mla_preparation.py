@@ -81,7 +81,9 @@ class StandIn:
         scratch=None,
         return_lse=False,
         impl="auto",
+        sink=None,
     ):
+        assert sink is None  # sink plans run the real kernel (tests/test_sparse_mla_sink.py)
         self.launches.append(indices.shape[0])
         if self.stash:  # the defect the session must catch: a cache keeping its inputs
             self.kept.append(q[0] if isinstance(q, tuple) else q)

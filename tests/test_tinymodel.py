@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_mla.cli import main
 from vllm_mla.geometry import GeometryError, from_hf_config
-from vllm_mla.qualify import QualifyConfig, run_qualify
 from vllm_mla.quant import fp8_block, mxfp8
-from vllm_mla.tinymodel import MakeModelError, TinyModelSpec, make_model, weights
+from vllm_mla.tools.cli import main
+from vllm_mla.tools.qualify import QualifyConfig, run_qualify
+from vllm_mla.tools.tinymodel import MakeModelError, TinyModelSpec, make_model, weights
 
 SMALL = TinyModelSpec(layers=2, heads=2, hidden=64, intermediate=128, vocab=320)
 
@@ -143,7 +143,7 @@ def test_qualify_a_model_folder_in_bf16_copies_the_pair(small):
 
 
 def test_qualify_rejects_an_unknown_dtype():
-    from vllm_mla.qualify import QualifyError
+    from vllm_mla.tools.qualify import QualifyError
 
     with pytest.raises(QualifyError, match="--dtype must be one of bfloat16, float32"):
         run_qualify(QualifyConfig(preset="deepseek-v2-lite", tp=1, layers=1, dtype="half"))
@@ -174,3 +174,124 @@ def test_sparse_checkpoint_has_the_dsa_indexer_and_q_lora(tmp_path):
 def test_bad_sparse_specs_name_the_setting(change, message):
     with pytest.raises(MakeModelError, match=message):
         TinyModelSpec(sparse=True, **change)
+
+
+HYV4 = TinyModelSpec(
+    arch="hy-v4", layers=3, heads=2, hidden=64, intermediate=128, vocab=320, index_topk=16
+)
+
+
+@pytest.fixture(scope="module")
+def hyv4(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "hyv4", HYV4)
+
+
+def _hyv4_names(layers: int, indexed: list[int]) -> set[str]:
+    """Every tensor vLLM's HYV4ForCausalLM loads, under the original checkpoint names."""
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    names |= {f"model.hc_head.hc_head_{n}" for n in ("fn", "base", "scale")}
+    for i in range(layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        names |= {f"{p}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")}
+        attn = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa")
+        attn += ("kv_a_layernorm", "kv_b_proj", "o_proj", "linear_gate")
+        names |= {f"{a}.{n}.weight" for n in attn} | {f"{a}.learnable_sink_param"}
+        for hc in ("hc_attn_layer", "hc_mlp_layer"):
+            names |= {f"{p}.{hc}.hc_pre.hc_{n}" for n in ("fn", "base", "scale")}
+        if i in indexed:
+            ix = f"{a}.indexer"
+            names |= {f"{ix}.{n}.weight" for n in ("wq_b", "wk", "k_norm", "weights_proj")}
+            names.add(f"{ix}.k_norm.bias")
+        if i == 0:
+            names |= {f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        else:
+            m = f"{p}.mlp"
+            names |= {f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias"}
+            names |= {f"{m}.experts.gate_up_proj", f"{m}.experts.down_proj"}
+            names |= {f"{m}.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")}
+    return names
+
+
+def test_hyv4_config_has_what_vllm_and_transformers_read(hyv4):
+    config = json.loads((hyv4 / "config.json").read_text())
+    assert config["model_type"] == "hy_v4"
+    assert config["architectures"] == ["HYV4ForCausalLM"]
+    # vLLM's HY-V4 turns these on only where the config says so (transformers always)
+    assert config["learnable_sink"] and config["enable_ihc"] and config["gated_mla"]
+    assert config["gating_type"] == "elementwise"
+    # a DSA layer for vLLM only with an index_topk and one of its sparse layer types
+    assert config["layer_types"] == ["indexed_attention"] * 3
+    assert config["index_topk"] == 16 and config["index_head_dim"] == 128
+    assert config["indexer_types"] == ["full", "full", "shared"]  # HY-V4's pattern
+    assert config["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)
+    assert (config["qk_nope_head_dim"], config["v_head_dim"]) == (192, 256)
+    assert config["n_routed_experts"] == 4 and config["num_experts_per_tok"] == 2
+    assert config["num_nextn_predict_layers"] == 0  # vLLM's default (1) drops a layer
+    assert config["pad_token_id"] is None  # transformers' default is past this vocabulary
+    assert config["rms_norm_eps"] == 1e-6  # the eps both sides hard-code in places
+    assert config["swiglu_limit"] >= 100  # vLLM CPU's MoE experts do not clamp
+    geo = from_hf_config(hyv4)
+    assert (geo.num_heads, geo.kv_lora_rank, geo.qk_rope_head_dim) == (2, 512, 64)
+    assert (geo.qk_nope_head_dim, geo.v_head_dim, geo.num_layers) == (192, 256, 3)
+
+
+def test_hyv4_tensors_are_exactly_what_vllm_loads(hyv4):
+    tensors = read(hyv4)
+    assert set(tensors) == _hyv4_names(3, indexed=[0, 1])
+    a = "model.layers.2.self_attn"
+    assert tensors[f"{a}.kv_b_proj.weight"].shape == (2 * (192 + 256), 512)
+    assert tensors[f"{a}.q_b_proj.weight"].shape == (2 * (192 + 64), 128)
+    assert tensors[f"{a}.linear_gate.weight"].shape == (2 * 256, 64)
+    assert tensors[f"{a}.o_proj.weight"].shape == (64, 2 * 256)
+    sinks = tensors[f"{a}.learnable_sink_param"]
+    assert sinks.shape == (2,) and sinks.dtype == torch.float32
+    assert sinks.abs().min() > 0  # a zero sink would still count, but drawn: they differ
+    assert not torch.equal(sinks, tensors["model.layers.1.self_attn.learnable_sink_param"])
+    m = "model.layers.1.mlp"
+    assert tensors[f"{m}.experts.gate_up_proj"].shape == (4, 2 * 32, 64)
+    assert tensors[f"{m}.experts.down_proj"].shape == (4, 64, 32)
+    assert tensors[f"{m}.gate.weight"].shape == (4, 64)
+    p = "model.layers.0.hc_attn_layer.hc_pre"
+    assert tensors[f"{p}.hc_fn"].shape == (8, 4 * 64)
+    assert tensors[f"{p}.hc_base"].shape == (8,) and tensors[f"{p}.hc_scale"].shape == (2,)
+    assert tensors["model.hc_head.hc_head_fn"].shape == (4, 4 * 64)
+    assert tensors["model.hc_head.hc_head_scale"].shape == (1,)
+
+
+def test_hyv4_weights_follow_the_seed_and_the_default_is_unchanged():
+    a, b = weights(HYV4, 320), weights(HYV4, 320)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = weights(TinyModelSpec(**{**HYV4.__dict__, "seed": 1}), 320)
+    key = "model.layers.0.self_attn.learnable_sink_param"
+    assert not torch.equal(a[key], other[key])
+    assert TinyModelSpec().arch == "deepseek" and not TinyModelSpec().dsa
+    assert "model.layers.0.self_attn.q_proj.weight" in weights(SMALL, 320)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"arch": "hy-v5"}, "--arch must be one of"),
+        ({"layers": 1}, "needs --layers >= 2"),
+        ({"kv_b_format": "mxfp8"}, "--kv-b-format 'mxfp8' is not made for --arch hy-v4"),
+        ({"kv_b_exact": True}, "--kv-b-exact True is not made"),
+        ({"mtp_layers": 1}, "--mtp-layers 1 is not made"),
+        ({"experts_per_tok": 5}, "--experts-per-tok 5 > --experts 4"),
+        ({"hc_mult": 0}, "--hc-mult must be >= 1"),
+        ({"index_head_dim": 64}, "index-head-dim must be 128"),
+    ],
+)
+def test_bad_hyv4_specs_name_the_setting(change, message):
+    with pytest.raises(MakeModelError, match=message):
+        TinyModelSpec(**{"arch": "hy-v4", **change})
+
+
+def test_cli_make_model_hyv4(tmp_path, capsys):
+    args = ["make-model", str(tmp_path / "h"), "--arch", "hy-v4", "--hidden", "64"]
+    assert main([*args, "--vocab", "320", "--experts", "2", "--experts-per-tok", "1"]) == 0
+    assert "HY-V4, DSA top-32" in capsys.readouterr().out
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (2, 1)
+    assert main(["make-model", str(tmp_path / "bad"), "--arch", "hy-v4", "--layers", "1"]) == 2
+    assert "needs --layers >= 2" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_mla import cpu_isa
-from vllm_mla.tinymodel import TinyModelSpec, make_model
+from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

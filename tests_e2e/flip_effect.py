@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dsa_reference import Decisions, reference
 from engine_job import MAX_TOKENS, SPARSE_PROMPTS
 
-from vllm_mla.tinymodel import TinyModelSpec, make_model
+from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
 
 MANTISSA_BITS = {"fp8_ds_mla": 3, "bf16": 7}  # e4m3, bf16
 

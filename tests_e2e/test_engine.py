@@ -19,7 +19,7 @@ import pytest
 import torch
 from compare import DENSE_LOGPROB_TOL, assert_dense_match
 
-from vllm_mla.qualify import QualifyConfig, run_qualify
+from vllm_mla.tools.qualify import QualifyConfig, run_qualify
 
 LIFECYCLE_ACTIONS = {"materialized", "reloaded", "aliased", "noop"}
 

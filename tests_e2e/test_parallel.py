@@ -33,7 +33,7 @@ from compare import assert_dense_match, assert_sparse_match
 from conftest import KV_DTYPES, RUNS, run_engine_jobs, sparse_jobs
 from engine_job import MAX_TOKENS
 
-from vllm_mla.tinymodel import TinyModelSpec, make_model
+from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
 
 pytestmark = pytest.mark.topology
 TP2 = {"tensor_parallel_size": 2}

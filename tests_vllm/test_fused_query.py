@@ -523,6 +523,9 @@ def test_dsa_row_layout_hands_b12x_one_buffer(monkeypatch, fused_env):
     assert qf.calls() == {"rows:copy_pe": 1}
     impl.plan = SimpleNamespace(impl="triton")  # the Triton plan reads the two pieces
     assert fused_query.bind(layer).rows == 0
+    impl.plan = SimpleNamespace(impl="b12x")
+    layer.qk_rope_head_dim = 0  # GLM-5.3-Flash's geometry: no [latent | rope] rows
+    assert fused_query.bind(layer).rows == 0
 
 
 def test_fused_kernel_runs_in_its_own_process():

@@ -23,7 +23,7 @@ from vllm.model_executor.layers.attention import mla_attention
 from vllm_layers import FAULT_SITES, Variant, build_kv_b_proj, installed, mla_layer, stand_ins
 
 from vllm_mla.memory import AllocationTrace, Ledger
-from vllm_mla.qualify import QualifyConfig, run_qualify
+from vllm_mla.tools.qualify import QualifyConfig, run_qualify
 from vllm_mla.vllm import telemetry
 from vllm_mla.weights import FORMS, PostLoadError, ReleaseRefusedError, faults, forms
 from vllm_mla.weights.sources import holds_weights

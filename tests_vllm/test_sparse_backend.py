@@ -145,7 +145,7 @@ def test_validate_accepts_what_it_serves(kv, block, cap):
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"head": 512}, "head_size not supported"),
+        ({"head": 320}, "head_size not supported"),  # 576 and 512 (no RoPE) are served
         ({"dtype": torch.float16}, "dtype not supported"),
         ({"kv": "fp8_e5m2"}, "kv_cache_dtype not supported"),
         ({"kv": "nvfp4_ds_mla"}, "kv_cache_dtype not supported"),
@@ -566,10 +566,10 @@ def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
     from vllm_mla import envs
 
     monkeypatch.setattr(envs, "triton_interpret", lambda: True)  # impl='triton' on CPU tensors
-    from vllm_mla.ops.sparse_mla import forward
+    from vllm_mla.ops.sparse_mla import dispatch
 
     # b12x needs an SM12x GPU: resolved as asked, its runner absent -> our Triton launch
-    monkeypatch.setattr(forward, "_resolve", lambda impl, device: impl)
+    monkeypatch.setattr(dispatch, "resolve", lambda impl, device: impl)
     tokens = 4
     buf = torch.full((8, TOPK), -1, dtype=torch.int32)
     buf[:tokens, :2] = torch.tensor([0, 65])
@@ -606,7 +606,7 @@ def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
         assert trace.allocations() == []
         splits = [args for _, args, kw in launches if "LOGICAL" in kw]
         assert len(splits) == 3 and all(kw["LOGICAL"] for _, _, kw in launches if "LOGICAL" in kw)
-        idx, req_id, table = splits[-1][3], splits[-1][9], splits[-1][10]
+        idx, req_id, table = splits[-1][3], splits[-1][10], splits[-1][11]  # kernel order
         assert idx.data_ptr() == buf.data_ptr() and idx.shape == (tokens, TOPK)  # logical
         assert req_id is metadata.req_id_per_token and table is metadata.block_table
         # the output is the workspace's buffer, not a new tensor

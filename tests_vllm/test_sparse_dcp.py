@@ -134,13 +134,13 @@ def test_b12x_declines_dcp_and_triton_serves(monkeypatch, cpu_session, caplog):
     """b12x is not asked to serve DCP (its empty-row contract, the merge's identity, is
     unverified): the plan is Triton's, and the metadata builder allocates no physical
     rows for it."""
-    from vllm_mla.ops import sparse_mla
+    from vllm_mla.ops.sparse_mla import api as sparse_api
     from vllm_mla.vllm.sparse import metadata
 
     assert impl_mod.serving_impl("b12x", 2) == "triton"
     assert impl_mod.serving_impl("b12x", 1) == "b12x"
     assert impl_mod.serving_impl("reference", 2) == "reference"
-    monkeypatch.setattr(sparse_mla, "select_impl", lambda device: "b12x")
+    monkeypatch.setattr(sparse_api, "select_impl", lambda device: "b12x")
     buffer = torch.full((8, TOPK), -1, dtype=torch.int32)
     with dcp_config(monkeypatch, 2, 0), caplog.at_level(logging.INFO, logger="vllm_mla"):
         impl = build_impl(H, "fp8_ds_mla", buffer)
@@ -280,7 +280,8 @@ def test_the_portable_indexer_serves_dcp_itself(monkeypatch, forward):
     monkeypatch.setattr(indexer, "_forward_context_metadata", lambda layer: "meta")
     monkeypatch.setattr(indexer, "select_dcp", lambda *a, **k: calls.append((a, k)) or "topk")
     monkeypatch.setattr(indexer, "select", lambda *a, **k: pytest.fail("DCP 1's select ran"))
-    monkeypatch.setattr(indexer, "triton_kernels", lambda: "triton kernels")
+    kernels = {indexer.CPU: indexer.ReferenceKernels, indexer.CUDA: "triton kernels"}
+    monkeypatch.setattr(indexer, "kernels_for", kernels.__getitem__)
     made.vllm_mla_ours = True  # forward_cuda: where the CUDA indexer is ours
     telemetry.reset()
     with dcp_config(monkeypatch, 2, 1, interleave=4):

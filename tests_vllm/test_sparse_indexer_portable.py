@@ -124,16 +124,18 @@ SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_sparse_indexer_portable import step
+from vllm_mla.ops.sparse_indexer.dispatch import kernels_for
 from vllm_mla.vllm.sparse import indexer
+triton = kernels_for(torch.device("cpu"), "triton")
 for seed, shape in ((0, "native"), (1, "ragged"), (2, "flat")):
     layer, hidden, q, k, weights, meta = step(seed, shape=shape)
     ref = indexer.select(layer, hidden, q, k, weights, meta, indexer.ReferenceKernels).clone()
     layer2, hidden, q, k, weights, meta = step(seed, shape=shape)
-    got = indexer.select(layer2, hidden, q, k, weights, meta, indexer.triton_kernels(),
+    got = indexer.select(layer2, hidden, q, k, weights, meta, triton,
                          max_decode_len=256)  # a static decode width past every length
     assert torch.equal(got, ref), (seed, (got != ref).nonzero()[:8].tolist())
     layer3, hidden, q, k, weights, meta = step(seed, shape=shape)  # row blocks of one token
-    blocked = indexer.select(layer3, hidden, q, k, weights, meta, indexer.triton_kernels(),
+    blocked = indexer.select(layer3, hidden, q, k, weights, meta, triton,
                              max_decode_len=256, budget_bytes=28 * 256)
     assert torch.equal(blocked, ref), seed
     # the keys inserted by the Triton kernel equal the oracle's, byte for byte
@@ -142,7 +144,7 @@ for seed, shape in ((0, "native"), (1, "ragged"), (2, "flat")):
     c2 = torch.zeros_like(c1)
     keys = torch.randn(slots.shape[0], 128)
     indexer.ReferenceKernels.insert_keys(c1, keys, slots, ue8m0=True)
-    indexer.triton_kernels().insert_keys(c2, keys, slots, ue8m0=True)
+    triton.insert_keys(c2, keys, slots, ue8m0=True)
     assert torch.equal(c1, c2), seed
 print("OK")
 """

@@ -12,10 +12,9 @@ import pytest
 import torch
 from conftest import L, N, V, mla_layer
 
-from vllm_mla.backends import capabilities
-from vllm_mla.backends.capabilities import BackendCapabilities
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
-from vllm_mla.vllm import plugin, telemetry
+from vllm_mla.vllm import capabilities, plugin, telemetry
+from vllm_mla.vllm.capabilities import BackendCapabilities
 from vllm_mla.vllm.patches import mla_v_up_proj
 
 pytestmark = pytest.mark.usefixtures("no_default_quant_scales")

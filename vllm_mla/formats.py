@@ -31,6 +31,9 @@ HEAD_DIM = LATENT + ROPE  # 576: one latent query / KV row
 DS_MLA_SCALE_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
 FP8_DS_MLA_RECORD = LATENT + 4 * (LATENT // DS_MLA_SCALE_GROUP) + 2 * ROPE  # 656 bytes
 PAGE_ROWS = 64  # KV rows per page for DSA models (vLLM's FlashMLA-sparse block size)
+# A kpool indexer's (GLM-5.3-Flash) top-k buffer: index_topk + index_kpool - 1 columns
+# rounded up to this (vLLM glm5next's get_sparse_topk_buffer_width)
+TOPK_BUFFER_ALIGN = 128
 
 # The DSA lightning indexer's key cache (DeepSeek-V3.2 / GLM-5)
 INDEX_HEAD_DIM = 128  # index_head_dim

@@ -13,7 +13,7 @@ carries the matmul with the weight instead:
   dtype (``direct`` mode: no BF16 pair exists).
 
 Routes: eager ``torch.bmm`` / ``Tensor.bmm`` with the weight second go straight to
-``vllm_mla.ops.absorbed_matmul`` from ``__torch_function__`` (no dispatcher round trip);
+``ops.absorbed_matmul.dispatch.run_checked`` from ``__torch_function__`` (no dispatcher round trip);
 under torch.compile the call reaches ``__torch_dispatch__`` as ``aten.bmm`` and becomes
 the opaque custom op. ``detach``/``alias`` keep the wrapper (``nn.Parameter`` needs
 it); in-place ops on a dense wrapper write its storage; anything else runs on the
@@ -24,7 +24,7 @@ is refreshed by its owner). The wrapper's strides are contiguous by construction
 Two optional bindings ride along (``vllm_mla.vllm.fused_query`` sets them): ``path`` fixes
 the bmm's path (``torch``: upstream's ``torch.bmm``, for a weight routed only for the next
 two), ``row_width`` makes a bmm without ``out`` return the row layout
-(``absorbed_matmul.new_out``: the DSA query), and ``attach_fusion`` lets an eager
+(``absorbed_matmul.dispatch.new_out``: the DSA query), and ``attach_fusion`` lets an eager
 ``torch.bmm(q, W, out=...)`` defer to the layer's query projection
 (``vllm_mla.ops.query_fusion``) while that layer is armed. Any other eager bmm on a routed
 weight first runs a deferred bmm nobody took.
@@ -38,15 +38,10 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from vllm_mla.ops import query_fusion
-from vllm_mla.ops.absorbed_matmul import (
-    PATHS,
-    MXFP8Weight,
-    decode,
-    plan_path,
-    run_checked,
-    runner,
-    validate,
-)
+from vllm_mla.ops.absorbed_matmul.api import validate
+from vllm_mla.ops.absorbed_matmul.dispatch import PATHS, plan_path, run_checked, runner
+from vllm_mla.ops.absorbed_matmul.reference import decode
+from vllm_mla.ops.base import MXFP8Weight
 
 logger = logging.getLogger("vllm_mla")
 aten = torch.ops.aten
@@ -159,7 +154,7 @@ class AbsorbedWeight(torch.Tensor):
 
     @property
     def path(self) -> str:
-        """The path every bmm on this weight takes (``absorbed_matmul.PATHS``)."""
+        """The path every bmm on this weight takes (``absorbed_matmul.dispatch.PATHS``)."""
         return self._key[0]
 
     @property

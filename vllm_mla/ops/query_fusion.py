@@ -31,7 +31,7 @@ Pending state is per thread. Counts (``calls()``): ``<consumer>:<path>`` per pro
 
 Hot path: deferral is ``torch.bmm`` -> ``AbsorbedWeight.__torch_function__`` -> ``defer``
 (no launch, no allocation). The consumer is vLLM's call -> ``project_bf16``/``project_fp8``
--> ``launch.fused_query_projection`` -> the kernel: three hops; the argument record of each M
+-> ``query_projection.kernel.launch`` -> the kernel: three hops; the argument record of each M
 is built once per layer; the one allocation is the query itself, which replaces the concat's
 (and the quant's) output.
 
@@ -41,7 +41,7 @@ staged bmm itself: equal); FP8 as ``e4m3(clamp(bf16 / q_scale, -448, 448))``.
 
 DSA row layout (``row_query``): a W_UK_T bound with ``row_width`` W = L + R returns, from a
 bmm without ``out``, ``[H, M, L]`` as a view of a ``[M, H, W]`` buffer
-(``absorbed_matmul.new_out``), so vLLM's ``ql_nope`` (its transpose) is the left part of
+(``absorbed_matmul.dispatch.new_out``), so vLLM's ``ql_nope`` (its transpose) is the left part of
 one contiguous query buffer; ``row_query`` copies q_pe into the right part and returns the
 whole ``[M, H, W]`` query: the b12x plan then reads it in place (one copy of q_pe where it
 copied both halves), the Triton plan reads its two halves as views.
@@ -56,9 +56,9 @@ from typing import NamedTuple
 import torch
 
 from vllm_mla.formats import E4M3_MAX
-from vllm_mla.ops import absorbed_matmul
-from vllm_mla.ops import query_projection as qp
+from vllm_mla.ops.absorbed_matmul import dispatch as bmm_dispatch
 from vllm_mla.ops.base import KernelNotPrewarmed, MXFP8Weight
+from vllm_mla.ops.query_projection.api import Args
 
 _calls: Counter[str] = Counter()
 
@@ -107,12 +107,12 @@ class QueryFusion:
         self.dtype = weight.dtype
         self.max_m = int(max_m)
         self.kernel = bool(kernel)
-        self._args: dict[tuple[int, bool], qp._Args] = {}
+        self._args: dict[tuple[int, bool], Args] = {}
         self._launch = None
         if self.kernel:
-            from vllm_mla.ops.triton import launch
+            from vllm_mla.ops.query_projection import kernel  # Triton is optional
 
-            self._launch = launch.fused_query_projection
+            self._launch = kernel.launch
 
     def __repr__(self) -> str:
         return (
@@ -149,7 +149,7 @@ class QueryFusion:
         slot.pending = Pending(self, a, out)
         return True
 
-    def args(self, m: int, fp8_out: bool) -> qp._Args:
+    def args(self, m: int, fp8_out: bool) -> Args:
         """The projection's argument record for ``m`` tokens (built once per M)."""
         key = (m, fp8_out)
         found = self._args.get(key)
@@ -158,7 +158,7 @@ class QueryFusion:
             weight = w.weight
             if isinstance(weight, MXFP8Weight) and weight.scales.dtype != torch.uint8:
                 weight = MXFP8Weight(weight.values, weight.scales.view(torch.uint8))
-            found = qp._Args(m, self.heads, self.nope, self.latent, self.rope, weight, fp8_out)
+            found = Args(m, self.heads, self.nope, self.latent, self.rope, weight, fp8_out)
             self._args[key] = found
         return found
 
@@ -193,7 +193,7 @@ def flush_pending(why: str) -> None:
 def _flush(p: Pending, why: str) -> None:
     SLOT.pending = None
     w = p.fusion.weight
-    absorbed_matmul.run_path(w.path, p.a, w._values, w._scales, p.out, w.role)
+    bmm_dispatch.run(p.a, w._values, w._scales, p.out, w.role, w.path)
     _calls[f"flushed:{why}"] += 1
 
 

@@ -35,8 +35,8 @@ consumer is ours (the FP8 op above is the layer's, or the impl is one whose ``fo
 is wrapped). ``auto`` adds: on CUDA, BF16, and ``can_fuse_query_projection`` true for the
 layer's shape at M = 64. Then W_UK_T is routed (a plain one is wrapped with upstream's
 ``torch.bmm`` path, same storage), a ``QueryFusion`` is attached and the kernel variants are
-compiled for every graph-visible M (``prewarm``: the CUDA-graph capture sizes up to 64, on
-CUDA only) before vLLM captures anything.
+compiled for every graph-visible M (``prewarm_query_projection``: the CUDA-graph capture
+sizes up to 64, on CUDA only) before vLLM captures anything.
 
 DSA on CUDA (``DeepseekV32Attention``, which calls ``impl.forward_mqa`` itself with
 ``(ql_nope, q_pe)``, the bmm compiled without ``out``): where the backend declares
@@ -57,12 +57,16 @@ import torch
 from torch import nn
 
 from vllm_mla import envs
-from vllm_mla.backends import capabilities_for
-from vllm_mla.formats import SPARSE_BACKEND
+from vllm_mla.formats import ROPE, SPARSE_BACKEND
 from vllm_mla.ops import query_fusion
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
-from vllm_mla.ops.query_projection import FUSED_MAX_M, can_fuse_query_projection, prewarm
+from vllm_mla.ops.query_projection import (
+    FUSED_MAX_M,
+    can_fuse_query_projection,
+    prewarm_query_projection,
+)
 from vllm_mla.vllm import telemetry
+from vllm_mla.vllm.capabilities import capabilities_for
 
 logger = logging.getLogger("vllm_mla")
 
@@ -184,7 +188,7 @@ def _kernel_ok(layer: nn.Module, weight: torch.Tensor, out_dtype: torch.dtype) -
     inner = weight.inner_tensors() if isinstance(weight, AbsorbedWeight) else [weight]
     if weight.dtype != torch.bfloat16 or any(t.stride(-1) != 1 for t in inner):
         return False
-    return layer.qk_rope_head_dim == 64 and can_fuse_query_projection(
+    return layer.qk_rope_head_dim == ROPE and can_fuse_query_projection(
         num_heads=weight.shape[0],
         max_m=FUSED_MAX_M,
         nope_dim=weight.shape[1],
@@ -204,6 +208,8 @@ def _rows(layer: nn.Module, mode: str) -> int:
     impl = layer.impl
     plan = getattr(impl, "plan", None)
     if getattr(plan, "impl", None) != "b12x" or getattr(impl, "kv_format", None) != "fp8_ds_mla":
+        return 0
+    if layer.qk_rope_head_dim != ROPE:  # b12x reads [latent | rope] rows of this geometry
         return 0
     return int(layer.kv_lora_rank) + int(layer.qk_rope_head_dim)
 
@@ -346,7 +352,7 @@ def _prewarm(fusion: query_fusion.QueryFusion, out_dtype: torch.dtype) -> None:
     key = (device, fusion.heads, fusion.nope, fmt, out_dtype, tuple(sizes))
     if not sizes or key in _prewarmed:
         return
-    prewarm(
+    prewarm_query_projection(
         sizes,
         num_heads=fusion.heads,
         nope_dim=fusion.nope,

@@ -191,6 +191,17 @@ def post_load(
     _unwrap_pair(layer)
     state = state_of(layer)
     source = (reader or default_reader(act_dtype))(layer.kv_b_proj)
+    done = _without_materializing(layer, state, source, act_dtype, config, refresh)
+    if done is not None:
+        return done
+    plan = plan_absorption(layer, source, act_dtype, config)
+    action = "reloaded" if state.fingerprint is not None else "materialized"
+    actions, released = _materialize(layer, state, source, plan, config)
+    return PostLoadReport(action, actions, released, plan)
+
+
+def _without_materializing(layer, state, source, act_dtype, config, refresh):
+    """The report of a call that builds nothing (no-op, upstream's aliasing), else None."""
     if source is None:
         if state.fingerprint is not None and state.released:
             return PostLoadReport("noop")
@@ -205,9 +216,12 @@ def post_load(
             _replace_parameter(layer, name, view)
         state.fingerprint, state.released = source.fingerprint(), False
         return PostLoadReport("aliased")
+    return None
 
-    plan = plan_absorption(layer, source, act_dtype, config)
-    action = "reloaded" if state.fingerprint is not None else "materialized"
+
+def _materialize(layer, state, source, plan, config) -> tuple[dict, int]:
+    """Preallocate -> fill -> commit -> release; (per-tensor actions, bytes released).
+    A failure before the commit leaves the live pair and the source untouched."""
     faults.begin()
     try:
         live, targets, actions = preallocate(layer, plan)
@@ -229,4 +243,4 @@ def post_load(
     released = release.commit() if release is not None else 0
     state.released = config.release_source
     state.fingerprint = source.fingerprint() if release is None else ("released",)
-    return PostLoadReport(action, actions, released, plan)
+    return actions, released

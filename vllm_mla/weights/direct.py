@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_mla.ops.absorbed_matmul import MXFP8_ACT_DTYPES, MXFP8Weight
+from vllm_mla.ops.absorbed_matmul import MXFP8_ACT_DTYPES
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
+from vllm_mla.ops.base import MXFP8Weight
 from vllm_mla.quant import layouts, mxfp8
 from vllm_mla.weights import faults, forms, readers
 from vllm_mla.weights.lifecycle import PostLoadError, layer_dims, state_of

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from vllm_mla.formats import FP8_BLOCK
 from vllm_mla.quant import layouts, mxfp8
 from vllm_mla.weights import readers
 from vllm_mla.weights.sources import (
@@ -279,60 +280,97 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
     return module_tensors(module).get(name)
 
 
-def _layout_mismatch(f: KVBForm, module: nn.Module, rows: int, cols: int) -> str | None:
-    """Why ``module``'s tensors are not what row ``f`` leaves (None: they are)."""
+def _bad(module: nn.Module, name: str, want: str) -> str:
+    t = _tensor(module, name)
+    got = "absent" if t is None else f"{t.dtype} {tuple(t.shape)} strides {t.stride()}"
+    return f"kv_b_proj.{name}: expected {want}, got {got}"
+
+
+def _dense_mismatch(f: KVBForm, module: nn.Module, rows: int, cols: int) -> str | None:
     weight = _tensor(module, "weight")
+    want = DENSE_DTYPES.get(f.name, torch.bfloat16)
+    dtypes = (want,) if f.family == "unquantized" else (torch.bfloat16, torch.float16)
+    if weight is None or weight.dtype not in dtypes or tuple(weight.shape) != (rows, cols):
+        return _bad(module, "weight", f"{'/'.join(map(str, dtypes))} {(rows, cols)}")
+    return None
 
-    def bad(name: str, want: str) -> str:
-        t = _tensor(module, name)
-        got = "absent" if t is None else f"{t.dtype} {tuple(t.shape)} strides {t.stride()}"
-        return f"kv_b_proj.{name}: expected {want}, got {got}"
 
-    if f.decode == "dense":
-        want = DENSE_DTYPES.get(f.name, torch.bfloat16)
-        dtypes = (want,) if f.family == "unquantized" else (torch.bfloat16, torch.float16)
-        if weight is None or weight.dtype not in dtypes or tuple(weight.shape) != (rows, cols):
-            return bad("weight", f"{'/'.join(map(str, dtypes))} {(rows, cols)}")
-        return None
-    if f.decode == "apply":
-        return None  # the kernel's own layout; its GEMM is the reader
-    if f.decode == "mxfp8-b12x":
-        packed = getattr(module, B12X_PACKED, None)
-        values = getattr(getattr(packed, "weight", None), "values", None)
-        scales = getattr(getattr(packed, "weight", None), "scale_rows", None)
-        if not isinstance(values, torch.Tensor) or not isinstance(scales, torch.Tensor):
-            return f"kv_b_proj.{B12X_PACKED}: expected weight.values and weight.scale_rows"
-        if values.shape[0] != rows or values.shape[1] < cols or scales.shape[-2] != rows:
-            return (
-                f"kv_b_proj.{B12X_PACKED}: values {tuple(values.shape)} / scale_rows "
-                f"{tuple(scales.shape)} do not hold [{rows}, {cols}]"
-            )
-        return None
+def _b12x_mismatch(f: KVBForm, module: nn.Module, rows: int, cols: int) -> str | None:
+    packed = getattr(module, B12X_PACKED, None)
+    values = getattr(getattr(packed, "weight", None), "values", None)
+    scales = getattr(getattr(packed, "weight", None), "scale_rows", None)
+    if not isinstance(values, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        return f"kv_b_proj.{B12X_PACKED}: expected weight.values and weight.scale_rows"
+    if values.shape[0] != rows or values.shape[1] < cols or scales.shape[-2] != rows:
+        return (
+            f"kv_b_proj.{B12X_PACKED}: values {tuple(values.shape)} / scale_rows "
+            f"{tuple(scales.shape)} do not hold [{rows}, {cols}]"
+        )
+    return None
+
+
+def _fp8_values_mismatch(module: nn.Module, rows: int, cols: int) -> str | None:
+    weight = _tensor(module, "weight")
     values = readers.as_rows(weight, rows) if weight is not None else None
     if values is None or values.dtype != torch.float8_e4m3fn or tuple(values.shape) != (rows, cols):
-        return bad("weight", f"float8_e4m3fn {(rows, cols)} (or its transposed view)")
-    if f.family == "fp8-block":
-        scale = _tensor(module, "weight_scale_inv")
-        blocks = (-(-rows // 128), -(-cols // 128))
-        if f.decode == "fp8-block":
-            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
-                return bad("weight_scale_inv", f"float32 {blocks}")
-        else:
-            words = -(-blocks[1] // layouts.UE8M0_PER_WORD)
-            if scale is None or scale.dtype != torch.int32 or tuple(scale.shape) != (rows, words):
-                return bad("weight_scale_inv", f"int32 {(rows, words)} (packed UE8M0)")
-        return None
-    scale = _tensor(module, "weight_scale")
-    groups = cols // mxfp8.BLOCK_SIZE
-    if f.decode == "mxfp8":
-        held = readers.as_rows(scale, rows) if scale is not None else None
-        if held is None or held.dtype not in E8M0 or tuple(held.shape) != (rows, groups):
-            return bad("weight_scale", f"uint8/float8_e8m0fnu {(rows, groups)}")
-        return None
-    numel = layouts.swizzled_numel(rows, groups)
-    if scale is None or scale.dtype not in E8M0 or scale.dim() != 1 or scale.numel() != numel:
-        return bad("weight_scale", f"flat 128x4-swizzled E8M0 of {numel} bytes")
+        return _bad(module, "weight", f"float8_e4m3fn {(rows, cols)} (or its transposed view)")
     return None
+
+
+def _fp8_block_scales_mismatch(module: nn.Module, rows: int, cols: int) -> str | None:
+    scale = _tensor(module, "weight_scale_inv")
+    blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
+        return _bad(module, "weight_scale_inv", f"float32 {blocks}")
+    return None
+
+
+def _ue8m0_rows_scales_mismatch(module: nn.Module, rows: int, cols: int) -> str | None:
+    scale = _tensor(module, "weight_scale_inv")
+    col_blocks = -(-cols // FP8_BLOCK)
+    words = -(-col_blocks // layouts.UE8M0_PER_WORD)
+    if scale is None or scale.dtype != torch.int32 or tuple(scale.shape) != (rows, words):
+        return _bad(module, "weight_scale_inv", f"int32 {(rows, words)} (packed UE8M0)")
+    return None
+
+
+def _mxfp8_scales_mismatch(module: nn.Module, rows: int, cols: int) -> str | None:
+    scale = _tensor(module, "weight_scale")
+    held = readers.as_rows(scale, rows) if scale is not None else None
+    groups = cols // mxfp8.BLOCK_SIZE
+    if held is None or held.dtype not in E8M0 or tuple(held.shape) != (rows, groups):
+        return _bad(module, "weight_scale", f"uint8/float8_e8m0fnu {(rows, groups)}")
+    return None
+
+
+def _swizzled_scales_mismatch(module: nn.Module, rows: int, cols: int) -> str | None:
+    scale = _tensor(module, "weight_scale")
+    numel = layouts.swizzled_numel(rows, cols // mxfp8.BLOCK_SIZE)
+    if scale is None or scale.dtype not in E8M0 or scale.dim() != 1 or scale.numel() != numel:
+        return _bad(module, "weight_scale", f"flat 128x4-swizzled E8M0 of {numel} bytes")
+    return None
+
+
+# Per decode: the scale check after the e4m3 values' (quantized rows), or the whole check.
+_SCALE_CHECKS = {
+    "fp8-block": _fp8_block_scales_mismatch,
+    "fp8-ue8m0-rows": _ue8m0_rows_scales_mismatch,
+    "mxfp8": _mxfp8_scales_mismatch,
+    "mxfp8-swizzled": _swizzled_scales_mismatch,
+}
+_WHOLE_CHECKS = {
+    "dense": _dense_mismatch,
+    "apply": lambda f, module, rows, cols: None,  # the kernel's own layout: its GEMM reads it
+    "mxfp8-b12x": _b12x_mismatch,
+}
+
+
+def _layout_mismatch(f: KVBForm, module: nn.Module, rows: int, cols: int) -> str | None:
+    """Why ``module``'s tensors are not what row ``f`` leaves (None: they are)."""
+    whole = _WHOLE_CHECKS.get(f.decode)
+    if whole is not None:
+        return whole(f, module, rows, cols)
+    return _fp8_values_mismatch(module, rows, cols) or _SCALE_CHECKS[f.decode](module, rows, cols)
 
 
 def _candidates(module: nn.Module) -> tuple[list[KVBForm], str]:

@@ -1,22 +1,9 @@
-"""Triton DSA lightning indexer for CUDA SM80+: key insert, paged logits, top-k.
+"""The Triton kernels of the DSA lightning indexer (CUDA SM80+) and their launches.
 
-Same numeric contract as ``reference`` (its module docstring), checked against it:
-
-- ``insert_keys``: bit-exact e4m3 bytes and float32 scales. The e4m3 encode and the
-  ue8m0 rounding are done on the bits (like torch's cast and the reference's fp32 log2),
-  so no fp8 type is needed (SM80).
-- ``paged_logits``: fp32 results within ``LOGIT_RTOL`` (below) of the reference; only the
-  order of the fp32 sums differs.
-- ``select_topk``: identical to ``reference.select_topk`` (plain torch, exact tie rule).
-- ``index_topk``: identical to ``reference.index_topk`` except where two logits lie
-  within the logit tolerance of each other at a place the order depends on.
-
-Every op is a torch custom op (``vllm_mla::indexer_insert_keys``, ``_paged_logits``,
-``_select_topk``; fake impls registered; ``index_topk`` is the last two in a row) with
-grids and temporaries fixed by shapes and no host sync, so it can be captured in a CUDA
-graph. On CPU the Triton kernels run only under
-``TRITON_INTERPRET=1``; there ``INTERPRET`` makes the dots fp32 (the interpreter's bf16
-dot is wrong: it rounds unlike a GPU's). GPU code never takes those branches.
+Launched on validated arguments only (``custom_op``); the contract is ``api``'s. On CPU
+the kernels run only under ``TRITON_INTERPRET=1``; there ``INTERPRET`` makes the dots
+fp32 (the interpreter's bf16 dot is wrong: it rounds unlike a GPU's). GPU code never
+takes those branches. ``topk_into`` is plain torch (batched, no host sync).
 """
 
 from __future__ import annotations
@@ -26,14 +13,8 @@ import triton
 import triton.language as tl
 
 from vllm_mla import envs
-from vllm_mla.ops.sparse_indexer.reference import (
-    AMAX_FLOOR,
-    E4M3_MAX,
-    INDEX_HEAD_DIM,
-    IndexerError,
-    _check_cache,
-)
-from vllm_mla.ops.triton.bits import e4m3_to_f32, f32_to_e4m3
+from vllm_mla.ops.sparse_indexer.reference import AMAX_FLOOR, E4M3_MAX
+from vllm_mla.ops.triton_bits import e4m3_to_f32, f32_to_e4m3
 
 # |paged_logits - reference.logits| <= LOGIT_RTOL * k_scale * sum_h |w_h| sum_d |q_hd k_d|
 # + LOGIT_ATOL. Operands are exact (e4m3 and bf16 values are bf16 values, their products
@@ -179,61 +160,14 @@ def _paged_logits_kernel(
         tl.store(out_ptrs, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=pos < S)
 
 
-# ---------------------------------------------------------------- host side
-
-
-def _expect(name: str, ok: bool, expected: str, got: object) -> None:
-    if not ok:
-        raise IndexerError(f"{name}: expected {expected}, got {got}")
-
-
-def _check_runnable(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    for x in tensors[1:]:
-        _expect("device", x.device == device, f"every tensor on {device}", x.device)
-    if device.type == "cpu" and envs.triton_interpret():
-        return
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return
-    raise NotImplementedError(
-        f"the Triton indexer needs a CUDA device of SM80 or later (or TRITON_INTERPRET=1 for "
-        f"CPU tensors); got device {device}: use vllm_mla.ops.sparse_indexer.reference there"
-    )
-
-
-def _check_pages(cache: torch.Tensor) -> None:
-    _check_cache(cache)
-    # The scales are read and written as float32 at page + block_size * 128 + 4 * slot.
-    aligned = cache.data_ptr() % 4 == 0 and cache.stride(0) % 4 == 0
-    _expect("index-key cache", aligned, "4-byte aligned pages", (cache.data_ptr(), cache.stride()))
-
-
 def _block_h(num_heads: int) -> int:
     """Heads per dot: tl.dot needs >= 16 rows; more than MAX_BLOCK_H loop."""
     return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(num_heads)))
 
 
-def insert_keys(
-    cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, ue8m0: bool = True
-) -> None:
-    """Quantize ``k [T, 128]`` (bf16/fp16/fp32) row-wise and write row ``t`` at physical
-    slot ``slots[t]`` (int32/int64); bytes and scales bit-identical to
-    ``reference.insert_keys``. Slots < 0 or past the pool are skipped."""
-    torch.ops.vllm_mla.indexer_insert_keys(cache, k, slots, ue8m0)
-
-
-@torch.library.custom_op("vllm_mla::indexer_insert_keys", mutates_args=("cache",))
-def _insert_keys_op(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, ue8m0: bool) -> None:
-    _check_pages(cache)
-    floats = (torch.bfloat16, torch.float16, torch.float32)
-    _expect("k", k.dtype in floats, f"dtype in {floats}", k.dtype)
-    _expect("slots", slots.dtype in (torch.int32, torch.int64), "int32 or int64", slots.dtype)
-    _expect("slots", slots.dim() == 1 and slots.stride(0) == 1, "a contiguous [T]", slots.shape)
+def launch_insert_keys(cache, k, slots, ue8m0: bool) -> None:
+    """Write ``k``'s quantized rows at ``slots`` (validated; T > 0)."""
     t = slots.shape[0]
-    _expect("k", k.shape == (t, INDEX_HEAD_DIM), f"shape ({t}, {INDEX_HEAD_DIM})", tuple(k.shape))
-    _check_runnable(cache, k, slots)
-    if t == 0:
-        return
     nb, bs, _ = cache.shape
     _insert_keys_kernel[(triton.cdiv(t, INSERT_BLOCK_T),)](
         k,
@@ -251,68 +185,10 @@ def _insert_keys_op(cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, u
     )
 
 
-@_insert_keys_op.register_fake
-def _(cache, k, slots, ue8m0):
-    return None
-
-
-def paged_logits(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    max_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """fp32 ``[T, S]`` logits of each token against its request's keys, within
-    ``LOGIT_RTOL`` of ``reference.logits``; ``-inf`` at positions >= ``lengths[t]``.
-
-    ``q [T, H, 128]`` float8_e4m3fn or bf16, ``weights [T, H]`` fp32, ``block_tables
-    [T, W]`` int32 (the block-table row of each token's request), ``lengths [T]`` int32.
-    ``S`` is ``out.shape[1]`` or ``max_len``: positions >= S are not computed (a length
-    past S is cut to S), nor are positions past the block table or on a table entry
-    outside the pool (``-inf``). No host sync; shapes fix the grid (CUDA graphs).
-    """
-    if out is None:
-        _expect("max_len", max_len is not None and max_len >= 0, "an int >= 0 (or out)", max_len)
-        out = torch.empty(q.shape[0], max_len, dtype=torch.float32, device=q.device)
-    elif max_len is not None:
-        _expect("out", out.dim() == 2 and out.shape[1] == max_len, f"[T, {max_len}]", out.shape)
-    torch.ops.vllm_mla.indexer_paged_logits(q, weights, cache, block_tables, lengths, out)
-    return out
-
-
-@torch.library.custom_op("vllm_mla::indexer_paged_logits", mutates_args=("out",))
-def _paged_logits_op(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    _check_pages(cache)
-    q_dtypes = (torch.float8_e4m3fn, torch.bfloat16)
-    _expect("q", q.dtype in q_dtypes, f"dtype in {q_dtypes}", q.dtype)
-    shape_ok = q.dim() == 3 and q.shape[-1] == INDEX_HEAD_DIM and q.stride(-1) == 1
-    _expect("q", shape_ok, f"[T, H, {INDEX_HEAD_DIM}] with unit last stride", tuple(q.shape))
+def launch_paged_logits(q, weights, cache, block_tables, lengths, out) -> None:
+    """Fill ``out [T, S]`` (validated; T, S > 0)."""
     t, h, _ = q.shape
-    s = out.shape[-1] if out.dim() == 2 else -1
-    for name, x, dtype, shape in (
-        ("weights", weights, torch.float32, (t, h)),
-        ("lengths", lengths, torch.int32, (t,)),
-        ("out", out, torch.float32, (t, s)),
-    ):
-        _expect(name, x.dtype == dtype, f"dtype {dtype}", x.dtype)
-        _expect(name, tuple(x.shape) == shape and x.stride(-1) == 1, f"contiguous {shape}", x.shape)
-    _expect("block_tables", block_tables.dtype == torch.int32, "dtype int32", block_tables.dtype)
-    bt_ok = block_tables.dim() == 2 and block_tables.shape[0] == t and block_tables.stride(1) == 1
-    _expect("block_tables", bt_ok, f"contiguous [T={t}, W]", tuple(block_tables.shape))
-    _check_runnable(q, weights, cache, block_tables, lengths, out)
-    if t == 0 or s == 0:
-        return
+    s = out.shape[-1]
     interpret = envs.triton_interpret()
     q_arg = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
     _paged_logits_kernel[(t, triton.cdiv(s, BLOCK_N))](
@@ -342,41 +218,9 @@ def _paged_logits_op(
     )
 
 
-@_paged_logits_op.register_fake
-def _(q, weights, cache, block_tables, lengths, out):
-    return None
-
-
-def select_topk(
-    scores: torch.Tensor, lengths: torch.Tensor, topk: int, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """int32 ``[T, topk]``, identical to ``reference.select_topk``: per row the ``topk``
-    largest of ``scores[t, :lengths[t]]``, ties toward the lower position, descending,
-    ``-1`` past ``min(topk, lengths[t], S)`` (``topk`` may exceed ``S``).
-
-    Plain torch, batched, no host sync (portable and CUDA-graph capturable): one int64
-    key per score, ``order-preserving int32 of the score << 32 | (S - 1 - position)``,
-    so ``torch.topk`` on distinct keys applies the tie rule exactly. Temporary memory:
-    ~3 int64 ``[T, S]`` tensors.
-    """
-    _expect("topk", isinstance(topk, int) and topk >= 1, "an int >= 1", topk)
-    if out is None:
-        out = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=scores.device)
-    _expect("out", out.dim() == 2 and out.shape[-1] == topk, f"[T, {topk}]", tuple(out.shape))
-    torch.ops.vllm_mla.indexer_select_topk(scores, lengths, out)
-    return out
-
-
-@torch.library.custom_op("vllm_mla::indexer_select_topk", mutates_args=("out",))
-def _select_topk_op(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
-    ok = scores.dim() == 2 and scores.is_floating_point()
-    _expect("scores", ok, "floating [T, S]", (scores.dtype, tuple(scores.shape)))
+def topk_into(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+    """``select_topk``'s result into validated ``out`` (plain torch, no host sync)."""
     t, s = scores.shape
-    int_ok = lengths.dtype in (torch.int32, torch.int64) and tuple(lengths.shape) == (t,)
-    _expect("lengths", int_ok, f"int32/int64 shape ({t},)", (lengths.dtype, tuple(lengths.shape)))
-    out_ok = out.dtype == torch.int32 and out.dim() == 2 and out.shape[0] == t
-    _expect("out", out_ok, f"int32 [T={t}, topk]", (out.dtype, tuple(out.shape)))
-    _expect("device", lengths.device == out.device == scores.device, scores.device, out.device)
     out.fill_(-1)
     width = min(out.shape[1], s)
     if t == 0 or width == 0:
@@ -392,26 +236,3 @@ def _select_topk_op(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tens
     picked = torch.topk(key, width, dim=1).indices  # keys are distinct: deterministic
     taken = positions[None, :width] < lengths[:, None]
     out[:, :width] = torch.where(taken, picked, -1).to(torch.int32)
-
-
-@_select_topk_op.register_fake
-def _(scores, lengths, out):
-    return None
-
-
-def index_topk(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    topk: int,
-    *,
-    max_len: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """int32 ``[T, topk]`` request-local positions, the result contract of
-    ``reference.index_topk`` (for ``max_len >= max(lengths)``): ``paged_logits`` into an
-    fp32 ``[T, max_len]`` buffer, then ``select_topk``. Two custom ops, no host sync."""
-    scores = paged_logits(q, weights, cache, block_tables, lengths, max_len=max_len)
-    return select_topk(scores, lengths, topk, out=out)

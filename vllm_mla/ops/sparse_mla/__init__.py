@@ -2,7 +2,8 @@
 
 Modules: ``formats`` (cache records, constants, errors), ``validate`` (the argument
 contract), ``reference`` (torch), ``triton_kernels`` (split-K kernels, split plan,
-scratch sizing), ``forward`` (``sparse_mla_forward``, implementation choice, custom op),
+scratch sizing), ``api`` (``sparse_mla_forward``, scratch sizing, prewarm), ``dispatch``
+(the one implementation choice and run), ``custom_op`` (the op torch sees),
 ``b12x_runner`` (b12x's SM12x kernels behind the same contract), ``preparation``
 (plan -> prepare -> bind -> run -> release, the bound decode call), ``selection``
 (top-k buffer ownership, logical -> physical rows). The vLLM backend is
@@ -15,10 +16,22 @@ in ``fp8_ds_mla`` or ``bf16`` (kv_format), addressed by strides; ``indices [T, K
 int32 physical rows, -1 empty, entries at ``j >= lengths[t]`` ignored.
 ``score = softmax_scale * (q_nope . kv_c + q_pe . k_pe)``,
 ``out = softmax(score) @ kv_c`` ``[T, H, 512]`` in q's dtype, ``lse`` natural-log fp32;
-a row with no valid index gives out 0, lse -inf. fp32 accumulation everywhere;
-Triton vs reference within ``OUT_REL_ERR`` / ``LSE_ABS_ERR``.
+a row with no valid index gives out 0, lse -inf. Optional ``sink`` (fp32 ``[H]``,
+natural-log, unscaled: HY-V4's learnable attention sink): ``e^{sink[h]}`` joins each
+denominator, ``out = sum_j e^{x_j} v_j / (sum_j e^{x_j} + e^{sink[h]})`` and the lse
+includes it (a row with no valid index: out 0, lse ``sink[h]``). fp32 accumulation
+everywhere; Triton vs reference within ``OUT_REL_ERR`` / ``LSE_ABS_ERR``.
 """
 
+from vllm_mla.ops.sparse_mla.api import (
+    LSE_ABS_ERR,
+    OUT_REL_ERR,
+    compiled_variants,
+    prewarm,
+    scratch_bytes,
+    sparse_mla_forward,
+)
+from vllm_mla.ops.sparse_mla.dispatch import IMPLS, register_b12x_runner, select_impl
 from vllm_mla.ops.sparse_mla.formats import (
     FP8_DS_MLA_RECORD,
     HEAD_DIM,
@@ -34,17 +47,6 @@ from vllm_mla.ops.sparse_mla.formats import (
     record_bytes,
     record_width,
     unpack_rows,
-)
-from vllm_mla.ops.sparse_mla.forward import (
-    IMPLS,
-    LSE_ABS_ERR,
-    OUT_REL_ERR,
-    compiled_variants,
-    prewarm,
-    register_b12x_runner,
-    scratch_bytes,
-    select_impl,
-    sparse_mla_forward,
 )
 from vllm_mla.ops.sparse_mla.preparation import (
     PlanReleased,

@@ -1,9 +1,9 @@
 """The b12x runner of ``sparse_mla_forward``: our call -> b12x 1.5.1's planned sparse-MLA API.
 
-``install()`` registers :func:`run_b12x` with ``forward.register_b12x_runner`` when
+``install()`` registers :func:`run_b12x` with ``dispatch.register_b12x_runner`` when
 ``b12x.attention.sparse_mla`` imports (never at package import time: this module imports
 no b12x code until a call). It is called by the backend at construction
-(``B12XMLASparseImpl.__init__``), as ``forward`` documents. The b12x names it uses are
+(``B12XMLASparseImpl.__init__``), as ``dispatch`` documents. The b12x names it uses are
 declared once (``B12X_FUNCTIONS``, ``B12X_CAPS_FIELDS``, ``B12X_MODEL_TYPES``,
 ``B12X_PLAN_SCRATCH``): tests_vllm/test_b12x_signatures.py checks them against the
 installed b12x and tests/test_sparse_mla_b12x_runner.py builds its fake b12x from them.
@@ -78,13 +78,15 @@ drops the plans and the freeze (b12x keeps its compiled programs).
 Not served by b12x 1.5.1, so run by the portable Triton kernel instead (same result
 contract): ``kv_format="bf16"`` (b12x has no 576-bf16 record), q not bf16 (its q and
 output are bf16), a softmax scale that is not finite and positive (Caps rejects it),
-and a call passing an ``invalid`` counter (``formats.INDEX_RULE``: b12x masks indices
-``< 0`` but counts nothing).
+a call passing an ``invalid`` counter (``formats.INDEX_RULE``: b12x masks indices
+``< 0`` but counts nothing), and a call passing an attention ``sink`` (HY-V4's: b12x's
+``Caps`` and ``bind`` take none). Each such reason is logged once per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -92,14 +94,17 @@ from types import ModuleType
 import torch
 
 from vllm_mla.ops.capture import capturing
-from vllm_mla.ops.sparse_mla import forward
+from vllm_mla.ops.sparse_mla import dispatch
 from vllm_mla.ops.sparse_mla.formats import (
     HEAD_DIM,
     LATENT,
+    ROPE,
     SparseMLANotPrepared,
     cache_rows,
     record_bytes,
 )
+
+logger = logging.getLogger("vllm_mla")
 
 B12X_MODULE = "b12x.attention.sparse_mla"
 # Our cache format -> the b12x recipe (ModelType attribute name) with the same bytes.
@@ -116,7 +121,7 @@ MAX_CHUNKS_PER_ROW = 64
 CANDIDATE_WINDOW = 64
 SPLIT_BUDGET_BYTES = 256 << 20
 
-# -- the b12x surface this module (and forward._b12x_usable) relies on ------------------
+# -- the b12x surface this module (and dispatch._b12x_usable) relies on ------------------
 # Function of ``b12x.attention.sparse_mla`` -> (the positional parameters it is called
 # with, the keyword parameters it is called with).
 B12X_FUNCTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -126,7 +131,7 @@ B12X_FUNCTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("scratch", "q", "kv_cache", "selected_indices", "cache_lengths", "selected_lengths"),
     ),
     "run": (("binding",), ()),
-    "is_supported": (("device",), ()),  # called by forward._b12x_usable
+    "is_supported": (("device",), ()),  # called by dispatch._b12x_usable
 }
 # The ``Caps`` keywords :func:`caps_fields` passes (all of them, nothing else).
 B12X_CAPS_FIELDS = (
@@ -187,11 +192,12 @@ class B12XPlanState:
 
 _plans: dict[PlanKey, B12XPlanState] = {}
 _frozen: set[torch.device | None] = set()  # None: every device
+_declined: set[str] = set()  # the decline reasons logged so far (each logged once)
 
 
 def b12x_module() -> ModuleType | None:
-    """``b12x.attention.sparse_mla`` when it imports, else None (same test as ``forward``)."""
-    return forward._b12x_module()
+    """``b12x.attention.sparse_mla`` when it imports, else None (same test as ``dispatch``)."""
+    return dispatch._b12x_module()
 
 
 def install() -> bool:
@@ -201,7 +207,7 @@ def install() -> bool:
     """
     if b12x_module() is None:
         return False
-    forward.register_b12x_runner(run_b12x)
+    dispatch.register_b12x_runner(run_b12x)
     return True
 
 
@@ -237,8 +243,12 @@ def unserved_reason(
     kv_format: str,
     softmax_scale: float,
     invalid: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    rope: int = ROPE,
 ) -> str | None:
     """Why b12x 1.5.1 cannot run this call (None when it can)."""
+    if rope != ROPE:
+        return f"qk_rope_head_dim {rope} (b12x's GLM_NSA records carry a {ROPE}-wide RoPE)"
     if kv_format not in B12X_RECIPE:
         return f"kv_format {kv_format!r} has no b12x cache layout"
     if q_nope.dtype != B12X_Q_DTYPE:
@@ -247,7 +257,17 @@ def unserved_reason(
         return f"softmax_scale {softmax_scale} (b12x needs finite > 0)"
     if invalid is not None:
         return "an invalid-index counter (b12x masks indices < 0 but counts nothing)"
+    if sink is not None:
+        return "an attention sink (b12x's sparse-MLA Caps and bind take none)"
     return None
+
+
+def _decline(reason: str) -> bool:
+    """False (the caller runs Triton), logging ``reason`` the first time it is seen."""
+    if reason not in _declined:
+        _declined.add(reason)
+        logger.info("vllm-mla: b12x sparse MLA declines %s; the Triton kernel serves it", reason)
+    return False
 
 
 def max_chunks_per_row(rows: int, num_heads: int, topk: int) -> int:
@@ -377,15 +397,18 @@ def run_b12x(
     softmax_scale: float,
     kv_format: str,
     invalid: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> bool:
     """Write ``out`` [T,H,512] (and natural-log ``lse`` [T,H]) for validated arguments;
-    False (nothing written) for a call b12x does not serve: the caller runs Triton.
+    False (nothing written, the reason logged once) for a call b12x does not serve: the
+    caller runs Triton.
 
     Same contract as ``sparse_mla_reference``. Once its plan exists (see the module
     docstring), a call allocates nothing beyond what b12x itself does.
     """
-    if unserved_reason(q_nope, kv_format, softmax_scale, invalid) is not None:
-        return False
+    reason = unserved_reason(q_nope, kv_format, softmax_scale, invalid, sink, q_pe.shape[-1])
+    if reason is not None:
+        return _decline(reason)
     t, h = q_nope.shape[:2]
     if t == 0:
         return True

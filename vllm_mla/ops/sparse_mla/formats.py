@@ -8,6 +8,12 @@ wider than a page: other layers' pages interleave). Two record formats:
   ``[0, 512)`` e4m3 of ``kv_c / scale[i // 128]``, ``[512, 528)`` four fp32 scales,
   ``[528, 656)`` 64 bf16 post-RoPE ``k_pe``. ``kv_c[i] = e4m3[i] * scale[i // 128]``.
 - ``bf16``: ``[..., 576]`` bf16, ``kv_c`` (512) then ``k_pe`` (64); 1152 bytes.
+
+RoPE width ``rope`` (``ROPES``: 64, or 0 for latent-512 MLA without RoPE, GLM-5.3-Flash):
+with rope 0 an fp8_ds_mla record keeps its 656 bytes (vLLM sizes the page by the format,
+``state_content_bytes``, and its writer copies a 0-wide ``k_pe``) and the rope slot
+``[528, 656)`` is never read (its bytes are whatever the page held); a bf16 record is
+``kv_c`` alone, 512 wide.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ SCALE_GROUP = DS_MLA_SCALE_GROUP  # fp8_ds_mla: one fp32 scale per 128 latent va
 FP8_SCALES_OFFSET = LATENT  # 512
 FP8_ROPE_OFFSET = LATENT + 4 * (LATENT // SCALE_GROUP)  # 528
 _RECORD = {"fp8_ds_mla": (torch.uint8, FP8_DS_MLA_RECORD), "bf16": (torch.bfloat16, HEAD_DIM)}
+ROPES = (ROPE, 0)  # the RoPE widths served: 64 (DeepSeek / GLM-5), 0 (GLM-5.3-Flash)
 
 
 # One rule for every implementation (reference, Triton, b12x runner): an index outside
@@ -65,28 +72,35 @@ def record_dtype(kv_format: str) -> torch.dtype:
     return _RECORD[kv_format][0]
 
 
-def record_elems(kv_format: str) -> int:
-    """Last-dim size of a cache in ``kv_format`` (656 or 576)."""
+def check_rope(rope: int) -> None:
+    """Raise SparseMLAError unless ``rope`` is one of ROPES."""
+    if rope not in ROPES:
+        raise SparseMLAError(f"rope: expected a qk_rope_head_dim in {ROPES}, got {rope!r}")
+
+
+def record_elems(kv_format: str, rope: int = ROPE) -> int:
+    """Last-dim size of a cache in ``kv_format`` (656 or 576; rope 0: 656 or 512)."""
     check_format(kv_format)
-    return _RECORD[kv_format][1]
+    check_rope(rope)
+    if kv_format == "bf16":
+        return LATENT + rope
+    return _RECORD[kv_format][1]  # the rope slot stays (unread) at rope 0
 
 
-def record_width(kv_format: str) -> tuple[int, torch.dtype]:
+def record_width(kv_format: str, rope: int = ROPE) -> tuple[int, torch.dtype]:
     """(elements per cache row, element dtype) of ``kv_format``."""
-    return record_elems(kv_format), record_dtype(kv_format)
+    return record_elems(kv_format, rope), record_dtype(kv_format)
 
 
-def record_bytes(kv_format: str) -> int:
-    """Bytes per token: 656 for fp8_ds_mla, 1152 for bf16."""
-    check_format(kv_format)
-    dtype, n = _RECORD[kv_format]
+def record_bytes(kv_format: str, rope: int = ROPE) -> int:
+    """Bytes per token: 656 for fp8_ds_mla, 1152 for bf16 (rope 0: 656, 1024)."""
+    n, dtype = record_width(kv_format, rope)
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-def check_cache(kv_cache: object, kv_format: str) -> None:
+def check_cache(kv_cache: object, kv_format: str, rope: int = ROPE) -> None:
     """Raise a typed error unless ``kv_cache`` is a 3-D cache in ``kv_format``."""
-    check_format(kv_format)
-    dtype, n = _RECORD[kv_format]
+    n, dtype = record_width(kv_format, rope)
     if not isinstance(kv_cache, torch.Tensor):
         raise SparseMLATypeError(f"kv_cache: expected a Tensor, got {type(kv_cache)}")
     if kv_cache.dtype != dtype:
@@ -105,14 +119,18 @@ def check_cache(kv_cache: object, kv_format: str) -> None:
 
 
 def _check_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
-    for name, t, width in (("kv_c", kv_c, LATENT), ("k_pe", k_pe, ROPE)):
+    rope = k_pe.shape[-1] if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 2 else ROPE
+    if rope not in ROPES:
+        rope = ROPE  # named below as the expected width
+    for name, t, width in (("kv_c", kv_c, LATENT), ("k_pe", k_pe, rope)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise SparseMLATypeError(f"{name}: expected a floating-point Tensor, got {t!r:.80}")
         if t.dim() != 2 or t.shape[1] != width:
             raise SparseMLAError(f"{name}: expected [N, {width}], got shape {tuple(t.shape)}")
     if kv_c.shape[0] != k_pe.shape[0]:
         raise SparseMLAError(
-            f"k_pe: expected [N={kv_c.shape[0]}, {ROPE}] (kv_c's N), got {tuple(k_pe.shape)}"
+            f"k_pe: expected [N={kv_c.shape[0]}, {k_pe.shape[1]}] (kv_c's N), "
+            f"got {tuple(k_pe.shape)}"
         )
 
 
@@ -120,7 +138,7 @@ def pack_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """Pack rows into 656-byte fp8_ds_mla records ``[N, 656]`` uint8.
 
     Scale per 128 values = amax / 448 (1.0 for an all-zero group, so zeros stay zero);
-    k_pe is stored as bf16.
+    k_pe is stored as bf16; a 0-wide k_pe (rope 0) leaves the rope slot zero.
     """
     _check_rows(kv_c, k_pe)
     n = kv_c.shape[0]
@@ -131,12 +149,15 @@ def pack_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, record_bytes("fp8_ds_mla"), dtype=torch.uint8, device=kv_c.device)
     out[:, :FP8_SCALES_OFFSET] = e4m3.reshape(n, LATENT).view(torch.uint8)
     out[:, FP8_SCALES_OFFSET:FP8_ROPE_OFFSET] = scale.contiguous().view(torch.uint8)
-    out[:, FP8_ROPE_OFFSET:] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    if k_pe.shape[1]:
+        out[:, FP8_ROPE_OFFSET:] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    else:  # rope 0: the slot is unread; zero, never uninitialised memory
+        out[:, FP8_ROPE_OFFSET:] = 0
     return out
 
 
 def pack_bf16(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """Pack rows into bf16 records ``[N, 576]`` (kv_c then k_pe, rounded to bf16)."""
+    """Pack rows into bf16 records ``[N, 512 + rope]`` (kv_c then k_pe, rounded to bf16)."""
     _check_rows(kv_c, k_pe)
     return torch.cat([kv_c, k_pe], dim=-1).to(torch.bfloat16)
 
@@ -147,27 +168,31 @@ def pack_rows(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_format: str) -> torch.T
     return pack_fp8_ds_mla(kv_c, k_pe) if kv_format == "fp8_ds_mla" else pack_bf16(kv_c, k_pe)
 
 
-def unpack_records(records: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode records ``[..., record]`` into ``(kv_c [..., 512], k_pe [..., 64])`` fp32."""
+def unpack_records(
+    records: torch.Tensor, kv_format: str, rope: int = ROPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode records ``[..., record]`` into ``(kv_c [..., 512], k_pe [..., rope])`` fp32
+    (rope 0: an fp8_ds_mla record's rope slot is not read)."""
+    check_rope(rope)
     if kv_format == "bf16":
-        return records[..., :LATENT].float(), records[..., LATENT:].float()
+        return records[..., :LATENT].float(), records[..., LATENT : LATENT + rope].float()
     check_format(kv_format)
     lead = records.shape[:-1]
     rec = records.contiguous()
     e4m3 = rec[..., :FP8_SCALES_OFFSET].view(torch.float8_e4m3fn).float()
     scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].view(torch.float32)
     kv_c = e4m3.reshape(*lead, -1, SCALE_GROUP) * scale[..., None]
-    k_pe = rec[..., FP8_ROPE_OFFSET:].view(torch.bfloat16).float()
+    k_pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].view(torch.bfloat16).float()
     return kv_c.reshape(*lead, LATENT), k_pe
 
 
 def unpack_rows(
-    kv_cache: torch.Tensor, rows: torch.Tensor, kv_format: str
+    kv_cache: torch.Tensor, rows: torch.Tensor, kv_format: str, rope: int = ROPE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read physical rows (any shape, all in range) -> ``(kv_c [..., 512], k_pe [..., 64])``
+    """Read physical rows (any shape, all in range) -> ``(kv_c [..., 512], k_pe [..., rope])``
     fp32, addressing the cache through its strides."""
-    check_cache(kv_cache, kv_format)
+    check_cache(kv_cache, kv_format, rope)
     block_size = kv_cache.shape[1]
     rows = rows.long()
     records = kv_cache[rows // block_size, rows % block_size]
-    return unpack_records(records, kv_format)
+    return unpack_records(records, kv_format, rope)

@@ -26,7 +26,6 @@ Guarantees (each checked by a test in tests/test_sparse_mla_preparation.py):
 from __future__ import annotations
 
 import gc
-import importlib
 import itertools
 import weakref
 from collections.abc import Callable
@@ -38,16 +37,17 @@ import torch
 
 from vllm_mla.ops.capture import capturing
 from vllm_mla.ops.dcp import NO_DCP, DCPShard
+from vllm_mla.ops.sparse_mla import api, dispatch
 from vllm_mla.ops.sparse_mla.formats import (
-    HEAD_DIM,
     KV_FORMATS,
     LATENT,
+    ROPE,
+    ROPES,
     SparseMLANotPrepared,
     record_width,
 )
 from vllm_mla.ops.sparse_mla.validate import Q_DTYPES
 
-KERNEL_MODULE = "vllm_mla.ops.sparse_mla"
 # Implementations with nothing to compile: prepare records their variants without
 # probes (full-capacity probes through plain torch would be huge and useless).
 NO_COMPILE_IMPLS = ("reference",)
@@ -76,7 +76,10 @@ class SparseMLACaps:
     ``token_buckets`` are the token counts prepared (graph-visible sizes); empty means
     powers of two up to ``max_tokens`` plus ``max_tokens`` itself. ``dcp``: the bound
     call takes request positions of a decode-context-parallel group (``ops.dcp``; the
-    Triton kernel's DCP variant is the one prepared).
+    Triton kernel's DCP variant is the one prepared). ``sink``: every call passes an
+    attention sink (fp32 ``[num_heads]``; the kernel's ``SINK`` variant is the one
+    prepared), and no call omits it. ``rope``: qk_rope_head_dim, 64 or 0 (latent-512 MLA
+    without RoPE: q_pe is ``[T, H, 0]`` and the records are rope 0's, ``formats``).
     """
 
     max_tokens: int
@@ -90,8 +93,12 @@ class SparseMLACaps:
     return_lse: bool = False
     token_buckets: tuple[int, ...] = ()
     dcp: bool = False
+    sink: bool = False
+    rope: int = ROPE
 
     def __post_init__(self) -> None:
+        if self.rope not in ROPES:
+            raise ValueError(f"SparseMLACaps.rope: expected one of {ROPES}, got {self.rope!r}")
         for name in ("max_tokens", "num_heads", "topk", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -132,8 +139,9 @@ class SparseMLACaps:
 
 
 def load_kernel() -> ModuleType:
-    """The sparse-MLA kernel module (``vllm_mla.ops.sparse_mla``)."""
-    return importlib.import_module(KERNEL_MODULE)
+    """The sparse-MLA kernel interface (``ops.sparse_mla.api``: select_impl, scratch_bytes,
+    sparse_mla_forward, compiled_variants); tests pass fakes of it."""
+    return api
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,8 @@ def launch_key(caps: SparseMLACaps, impl: str, num_tokens: int, device: torch.de
         caps.with_lengths,
         caps.return_lse,
         caps.dcp,
+        caps.sink,
+        caps.rope,
     )
 
 
@@ -197,6 +207,7 @@ class SparseMLABinding:
     indices: torch.Tensor
     lengths: torch.Tensor | None = None
     out: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -272,15 +283,15 @@ class PreparationSession:
         """One launch on fresh probes; they are locals of this frame only."""
         caps = plan.caps
         gen = torch.Generator(device="cpu").manual_seed(num_tokens)
-        width, cache_dtype = record_width(caps.kv_format)
+        width, cache_dtype = record_width(caps.kv_format, caps.rope)
         blocks = -(-caps.topk // caps.block_size)
         rows = blocks * caps.block_size
         if caps.split_query:
-            full = torch.randn(num_tokens, caps.num_heads, HEAD_DIM, generator=gen)
+            full = torch.randn(num_tokens, caps.num_heads, LATENT + caps.rope, generator=gen)
             full = full.to(device=self.device, dtype=caps.q_dtype)
             q: Any = (full[..., :LATENT], full[..., LATENT:])  # strided like vLLM's
         else:
-            full = torch.randn(num_tokens, caps.num_heads, HEAD_DIM, generator=gen)
+            full = torch.randn(num_tokens, caps.num_heads, LATENT + caps.rope, generator=gen)
             q = full = full.to(device=self.device, dtype=caps.q_dtype)
         if cache_dtype == torch.uint8:
             kv = torch.zeros(blocks, caps.block_size, width, dtype=cache_dtype, device=self.device)
@@ -292,10 +303,15 @@ class PreparationSession:
         lengths = None
         if caps.with_lengths:
             lengths = torch.full((num_tokens,), caps.topk, dtype=torch.int32, device=self.device)
+        sink = None
+        if caps.sink:
+            sink = torch.zeros(caps.num_heads, dtype=torch.float32, device=self.device)
         scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=self.device)
         named = {"q": full, "kv_cache": kv, "indices": idx, "scratch": scratch}
         if lengths is not None:
             named["lengths"] = lengths
+        if sink is not None:
+            named["sink"] = sink
         for name, tensor in named.items():
             probes.append((f"{name}[T={num_tokens}]", weakref.ref(tensor)))
             if self._observer is not None:
@@ -304,20 +320,21 @@ class PreparationSession:
             q,
             kv,
             idx,
-            HEAD_DIM**-0.5,
+            (LATENT + caps.rope) ** -0.5,
             kv_format=caps.kv_format,
             lengths=lengths,
             scratch=scratch,
             return_lse=caps.return_lse,
             impl=plan.impl,
+            sink=sink,
         )
         if plan.impl == "triton":  # the bound decode call's variant: logical rows mapped
-            self._probe_logical(plan, q, kv, idx.clamp(min=-1), scratch, probes)
+            self._probe_logical(plan, q, kv, idx.clamp(min=-1), scratch, probes, sink)
 
-    def _probe_logical(self, plan, q, kv, logical, scratch, probes) -> None:
+    def _probe_logical(self, plan, q, kv, logical, scratch, probes, sink=None) -> None:
         """Launch the variant ``BoundCall`` runs (logical top-k mapped in the kernel, no
-        lengths; the lse when the plan returns it) on the probes; its own probes are
-        locals of this frame only."""
+        lengths; the lse when the plan returns it, the sink when it declares one) on the
+        probes; its own probes are locals of this frame only."""
         from vllm_mla.ops.sparse_mla import triton_kernels
 
         caps, t = plan.caps, logical.shape[0]
@@ -333,7 +350,13 @@ class PreparationSession:
         for name, tensor in named:
             probes.append((f"{name}[T={t}]", weakref.ref(tensor)))
         site = triton_kernels.LaunchSite(
-            kv, caps.num_heads, caps.topk, caps.kv_format, HEAD_DIM**-0.5, caps.q_dtype
+            kv,
+            caps.num_heads,
+            caps.topk,
+            caps.kv_format,
+            (LATENT + caps.rope) ** -0.5,
+            caps.q_dtype,
+            rope=caps.rope,
         )
         site.launch(
             q_nope,
@@ -346,6 +369,7 @@ class PreparationSession:
             req_id=req_id,
             block_table=block_table,
             dcp=(2, 0, 1) if caps.dcp else NO_DCP.args,  # any group: the variant is one
+            sink=sink,
         )
 
     def freeze(self) -> None:
@@ -375,11 +399,12 @@ class PreparationSession:
         indices: torch.Tensor,
         lengths: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        sink: torch.Tensor | None = None,
     ) -> SparseMLABinding:
         """Bind live inputs (validated against the plan's capacities)."""
         self._check_live(plan)
         caps = plan.caps
-        binding = SparseMLABinding(plan, scratch, q, kv_cache, indices, lengths, out)
+        binding = SparseMLABinding(plan, scratch, q, kv_cache, indices, lengths, out, sink)
         tokens = binding.num_tokens
         if tokens > caps.max_tokens:
             raise ValueError(f"q: expected at most {caps.max_tokens} tokens, got {tokens}")
@@ -399,7 +424,7 @@ class PreparationSession:
                 f"indices: expected int32 [{tokens}, {caps.topk}], "
                 f"got {indices.dtype} {list(indices.shape)}"
             )
-        width, dtype = record_width(caps.kv_format)
+        width, dtype = record_width(caps.kv_format, caps.rope)
         if kv_cache.dtype != dtype or kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
             raise ValueError(
                 f"kv_cache: expected {dtype} [blocks, rows, {width}] for {caps.kv_format}, "
@@ -410,6 +435,7 @@ class PreparationSession:
                 f"lengths: the plan declares with_lengths={caps.with_lengths}, "
                 f"got {'a tensor' if lengths is not None else 'None'}"
             )
+        _check_sink(sink, caps)
         if scratch is not None and scratch.numel() * scratch.element_size() < plan.scratch_bytes:
             raise ValueError(
                 f"scratch: expected at least {plan.scratch_bytes} bytes, "
@@ -431,7 +457,7 @@ class PreparationSession:
                 f"(prepared: {sorted(self._prepared.get(plan.plan_id, ()), key=str)}); "
                 "declare its token count in SparseMLACaps and prepare before capture"
             )
-        scale = HEAD_DIM**-0.5 if softmax_scale is None else softmax_scale
+        scale = (LATENT + plan.caps.rope) ** -0.5 if softmax_scale is None else softmax_scale
         result = self.kernel.sparse_mla_forward(
             binding.q,
             binding.kv_cache,
@@ -443,6 +469,7 @@ class PreparationSession:
             scratch=binding.scratch,
             return_lse=plan.caps.return_lse,
             impl=plan.impl,
+            sink=binding.sink,
         )
         if self._frozen and self._frozen_variants is not None:
             compiled = self._compiled_count()
@@ -483,6 +510,26 @@ class PreparationSession:
     def _check_live(self, plan: SparseMLAPlan) -> None:
         if plan.plan_id in self._released:
             raise PlanReleased(f"plan {plan.plan_id} was released; prepare it again to reuse")
+
+
+def _check_sink(
+    sink: torch.Tensor | None, caps: SparseMLACaps, device: torch.device | None = None
+) -> None:
+    """A sink exactly when ``caps.sink``: fp32 ``[num_heads]``, unit stride, on ``device``."""
+    if (sink is not None) != caps.sink:
+        raise ValueError(
+            f"sink: the plan declares sink={caps.sink}, got "
+            f"{'a tensor' if sink is not None else 'None'}"
+        )
+    if sink is None:
+        return
+    if sink.dtype is not torch.float32 or sink.shape != (caps.num_heads,) or sink.stride(0) != 1:
+        raise ValueError(
+            f"sink: expected fp32 [{caps.num_heads}] with unit stride, got {sink.dtype} "
+            f"{tuple(sink.shape)} strides {sink.stride()}"
+        )
+    if device is not None and sink.device != device:
+        raise ValueError(f"sink: expected device {device} (q's), got {sink.device}")
 
 
 class BoundCall:
@@ -536,6 +583,10 @@ class BoundCall:
 
         caps = self._caps
         validate((q_nope, q_pe), kv_cache, indices, kv_format=caps.kv_format)
+        if q_pe.shape[-1] != caps.rope:
+            raise ValueError(
+                f"q_pe: the plan declares rope={caps.rope}, got shape {tuple(q_pe.shape)}"
+            )
         self._session._check_live(self._plan)
         if not self._session.is_prepared(self._plan, caps.max_tokens) and (
             self._session.frozen or capturing(kv_cache.device)
@@ -549,28 +600,30 @@ class BoundCall:
             site = self._site
             if site is None or not site.matches(kv_cache):
                 self._site = triton_kernels.LaunchSite(
-                    kv_cache, caps.num_heads, caps.topk, caps.kv_format, self._scale, caps.q_dtype
+                    kv_cache,
+                    caps.num_heads,
+                    caps.topk,
+                    caps.kv_format,
+                    self._scale,
+                    caps.q_dtype,
+                    rope=caps.rope,
                 )
         self._cache = weakref.ref(kv_cache)
 
-    def run(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        indices: torch.Tensor,
-        req_id: torch.Tensor | None = None,
-        block_table: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out [T, H, 512]`` for ``indices [T, K]``: physical rows (the forward
-        contract), or, with ``req_id`` (int32, >= T entries) and ``block_table`` (int32
-        ``[requests, blocks]`` of the cache's block size) when :attr:`maps_logical`,
-        logical top-k positions mapped as ``selection.logical_to_physical`` maps them
-        (with the call's DCP shard). ``lse``: fp32 ``[T, H]`` written with the natural-log
-        LSE (the plan must declare ``return_lse``, so its variant is prepared)."""
+    def _check_optional(self, t, device, sink, lse, req_id, block_table) -> None:
+        """The optional arguments of a ``t``-token call against the plan (an error names
+        what is wrong): the sink, the lse buffer, the logical top-k's tables."""
         caps = self._caps
-        t = indices.shape[0]
+        if (sink is not None) != caps.sink or (
+            sink is not None
+            and (
+                sink.dtype is not torch.float32
+                or sink.shape != (caps.num_heads,)
+                or sink.stride(0) != 1
+                or sink.device != device
+            )
+        ):
+            _check_sink(sink, caps, device)  # names what is wrong
         if lse is not None and (
             not caps.return_lse
             or lse.dtype is not torch.float32
@@ -597,6 +650,30 @@ class BoundCall:
                 f"{tuple(block_table.shape)}, req_id "
                 f"{None if req_id is None else (req_id.dtype, tuple(req_id.shape))}"
             )
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
+        req_id: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        sink: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out [T, H, 512]`` for ``indices [T, K]``: physical rows (the forward
+        contract), or, with ``req_id`` (int32, >= T entries) and ``block_table`` (int32
+        ``[requests, blocks]`` of the cache's block size) when :attr:`maps_logical`,
+        logical top-k positions mapped as ``selection.logical_to_physical`` maps them
+        (with the call's DCP shard). ``lse``: fp32 ``[T, H]`` written with the natural-log
+        LSE (the plan must declare ``return_lse``, so its variant is prepared). ``sink``:
+        fp32 ``[H]`` attention-sink logits, passed exactly when the plan declares
+        ``caps.sink`` (checked every call: a few attribute reads)."""
+        caps = self._caps
+        t = indices.shape[0]
+        if sink is not None or caps.sink or lse is not None or block_table is not None:
+            self._check_optional(t, q_nope.device, sink, lse, req_id, block_table)
         if self._cache is None or self._cache() is not kv_cache:
             self._validate(q_nope, q_pe, kv_cache, indices)
         if (
@@ -605,6 +682,7 @@ class BoundCall:
             or indices.shape[1] != caps.topk
             or q_nope.dtype is not caps.q_dtype
             or q_nope.shape[0] != t
+            or q_pe.shape[-1] != caps.rope
         ):
             self._validate(q_nope, q_pe, kv_cache, indices)  # names what is wrong
             raise ValueError(
@@ -615,32 +693,22 @@ class BoundCall:
         scratch, out = self._buffers(t) if self._buffers is not None else (None, None)
         if out is None:
             out = q_nope.new_empty((t, caps.num_heads, LATENT))
-        impl = self._plan.impl
-        if impl == "reference":
-            from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
-
-            ref, ref_lse = sparse_mla_reference(
-                (q_nope, q_pe), kv_cache, indices, self._scale, kv_format=caps.kv_format
-            )
-            out.copy_(ref)
-            if lse is not None:
-                lse.copy_(ref_lse)
-            return out
-        if impl == "b12x" and _b12x_run(
-            q_nope, q_pe, kv_cache, indices, out, scratch, self._scale, caps.kv_format, lse
-        ):
-            return out
-        compiled = self._site.launch(
+        compiled = dispatch.run(
+            self._plan.impl,
             q_nope,
             q_pe,
             kv_cache,
             indices,
             out,
-            scratch,
+            softmax_scale=self._scale,
+            kv_format=caps.kv_format,
             lse=lse,
+            scratch=scratch,
+            site=self._site,
             req_id=req_id,
             block_table=block_table,
             dcp=self._dcp,
+            sink=sink,
         )
         if compiled and self._session._frozen:
             raise SparseMLANotPrepared(
@@ -649,26 +717,3 @@ class BoundCall:
                 "from the probes'"
             )
         return out
-
-
-def _b12x_run(q_nope, q_pe, kv_cache, indices, out, scratch, scale, kv_format, lse=None) -> bool:
-    from vllm_mla.ops.sparse_mla import forward
-
-    runner = forward._b12x_runner
-    if runner is None:
-        return False
-    return bool(
-        runner(
-            q_nope,
-            q_pe,
-            kv_cache,
-            indices,
-            None,
-            out,
-            lse,
-            scratch,
-            softmax_scale=scale,
-            kv_format=kv_format,
-            invalid=None,
-        )
-    )

@@ -11,6 +11,15 @@ one split it writes ``out`` and ``lse`` itself; otherwise it writes unnormalised
 partials (acc [512], m, l) that kernel 2, ``_sparse_mla_combine_kernel`` (grid
 ``(T, H)``), merges into out + lse.
 
+RoPE width (``ROPE``, 64 or 0): at 0 (latent-512 MLA without RoPE, GLM-5.3-Flash) the
+q_pe @ k_pe^T piece is not traced (q_pe and the record's rope slot are never read) and the
+scores are the four latent pieces alone; the ROPE=64 code is unchanged.
+
+Attention sink (``SINK``, HY-V4's learnable per-head logit, natural log): one more term
+``2^(sink log2 e)`` in the softmax denominator, added exactly once per (token, head) where
+the denominator is final: the direct epilogue, or the combine kernel (never in a split's
+partials). The lse then includes it. The no-sink variant (``SINK=False``) is unchanged.
+
 Tiles (GPU): BLOCK_H = :func:`block_h` (H) heads per program, 16 for H <= 16 (tl.dot
 needs >= 16 rows) and 32 above, so each gathered KV row is read from memory
 ``cdiv(H, BLOCK_H)`` times per token (:func:`gathered_bytes`): once for H <= 32, twice
@@ -46,11 +55,12 @@ import triton.language as tl
 
 from vllm_mla import envs
 from vllm_mla.ops.capture import capturing
-from vllm_mla.ops.sparse_mla.formats import SparseMLANotPrepared
-from vllm_mla.ops.triton.bits import e4m3_to_f32, round_to_bf16
+from vllm_mla.ops.sparse_mla.formats import ROPE, SparseMLANotPrepared
+from vllm_mla.ops.triton_bits import e4m3_to_f32, round_to_bf16
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
+SINK_LOG2E = tl.constexpr(LOG2E)  # the sink is a natural-log logit; the kernels work in base 2
 
 
 @triton.jit
@@ -113,6 +123,16 @@ def _store_out(ptr, rows, cols, mask, val, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _sink_weight(s2, m_safe):
+    """``2^(s2 - m_safe)``: the sink's (base-2 logit ``s2``) share of a denominator taken
+    relative to ``m_safe`` (the max of the logits and the sink, 0 when that is -inf). A
+    -inf sink weighs 0; a +inf sink is the max itself, weight 1 (no ``inf - inf``), so
+    every other weight is 0: out 0, lse +inf."""
+    inf = s2 == float("inf")
+    return tl.where(inf, 1.0, tl.exp2(tl.where(inf, 0.0, s2) - m_safe))
+
+
+@triton.jit
 def _store_acc(ptr, rows, mask, acc0, acc1, acc2, acc3, inv_l, INTERPRET: tl.constexpr):
     cols = tl.arange(0, 128)
     _store_out(ptr, rows, cols, mask, acc0 * inv_l[:, None], INTERPRET)
@@ -127,6 +147,7 @@ def _store_acc(ptr, rows, mask, acc0, acc1, acc2, acc3, inv_l, INTERPRET: tl.con
     do_not_specialize=[
         *("T", "K", "split_len", "s_idx", "num_rows", "m_off", "l_off"),
         *("req_ptr", "bt_ptr", "s_bt", "bt_width", "dcp_period", "dcp_start", "dcp_interleave"),
+        "sink_ptr",  # read once per program: its alignment is not worth a variant
     ]
 )
 def _sparse_mla_split_kernel(
@@ -139,6 +160,7 @@ def _sparse_mla_split_kernel(
     lse_ptr,  # DIRECT: lse [T, H]; else the scratch (partial m at m_off, base-2 units)
     l_ptr,  # the scratch (partial l at l_off; unused when DIRECT)
     err_ptr,  # int32 [1]: out-of-range indices counted (HAS_ERR)
+    sink_ptr,  # SINK and DIRECT: fp32 [H] natural-log sink logits (split partials: unused)
     req_ptr,  # LOGICAL: int32 [>= T] request of each token (vLLM's req_id_per_token)
     bt_ptr,  # LOGICAL: int32 [requests, bt_width] block table
     s_bt,  # LOGICAL: block table row stride
@@ -172,6 +194,8 @@ def _sparse_mla_split_kernel(
     HAS_ERR: tl.constexpr,
     LOGICAL: tl.constexpr,
     DCP: tl.constexpr,  # LOGICAL rows are request positions of a DCP group
+    SINK: tl.constexpr,  # a per-head sink joins the denominator (DIRECT: here, else combine)
+    ROPE: tl.constexpr,  # qk_rope_head_dim: 64, or 0 (no q_pe . k_pe piece)
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -185,8 +209,9 @@ def _sparse_mla_split_kernel(
 
     d = tl.arange(0, 128)
     q_rows = qn_ptr + t64 * s_qn_t + heads[:, None] * s_qn_h + d[None, :]
-    r = tl.arange(0, 64)
-    qpe_ptrs = qp_ptr + t64 * s_qp_t + heads[:, None] * s_qp_h + r[None, :]
+    if ROPE > 0:
+        r = tl.arange(0, ROPE)
+        qpe_ptrs = qp_ptr + t64 * s_qp_t + heads[:, None] * s_qp_h + r[None, :]
 
     end = K
     if HAS_LENGTHS:
@@ -230,14 +255,17 @@ def _sparse_mla_split_kernel(
         valid = (rows >= 0) & in_range
         rows = tl.where(valid, rows, 0)
         base = (rows // block_size).to(tl.int64) * s_kv_b + (rows % block_size) * s_kv_t
-        if FP8:
-            pe_ptrs = (kv_ptr + base[:, None] + 528).to(tl.pointer_type(tl.bfloat16))
-        else:
-            pe_ptrs = kv_ptr + base[:, None] + 512
-        kpe = tl.load(pe_ptrs + r[None, :], mask=valid[:, None], other=0.0)
-        qpe = tl.load(qpe_ptrs, mask=hmask[:, None], other=0.0)
-        s = _dot(qpe, tl.trans(kpe), INTERPRET)
-        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, INTERPRET)
+        if ROPE > 0:
+            if FP8:
+                pe_ptrs = (kv_ptr + base[:, None] + 528).to(tl.pointer_type(tl.bfloat16))
+            else:
+                pe_ptrs = kv_ptr + base[:, None] + 512
+            kpe = tl.load(pe_ptrs + r[None, :], mask=valid[:, None], other=0.0)
+            qpe = tl.load(qpe_ptrs, mask=hmask[:, None], other=0.0)
+            s = _dot(qpe, tl.trans(kpe), INTERPRET)
+            s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, INTERPRET)
+        else:  # no RoPE: the latent pieces alone
+            s = _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, INTERPRET)
         s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 1, FP8, INTERPRET)
         s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 2, FP8, INTERPRET)
         s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 3, FP8, INTERPRET)
@@ -258,7 +286,16 @@ def _sparse_mla_split_kernel(
         if tl.program_id(1) == 0:  # one head group per (token, split) counts its slice
             tl.atomic_add(err_ptr, tl.sum(bad))
     if DIRECT:
-        inv_l = tl.where(l_sum > 0, 1.0 / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+        if SINK:  # the one place a direct call adds it: m, l become the final M, total
+            s2 = tl.load(sink_ptr + heads, mask=hmask, other=float("-inf")) * SINK_LOG2E
+            m_all = tl.maximum(m, s2)
+            m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+            alpha = tl.exp2(m - m_safe)  # the accumulator's factor (0 with no valid row)
+            l_sum = l_sum * alpha + _sink_weight(s2, m_safe)
+            m = m_all
+            inv_l = tl.where(l_sum > 0, alpha / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+        else:
+            inv_l = tl.where(l_sum > 0, 1.0 / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
         o_rows = t64 * s_o_t + heads * s_o_h
         _store_acc(out_ptr, o_rows, hmask, acc0, acc1, acc2, acc3, inv_l, INTERPRET)
         if WRITE_LSE:
@@ -273,22 +310,25 @@ def _sparse_mla_split_kernel(
         tl.store(l_ptr.to(tl.pointer_type(tl.float32)) + l_off + part, l_sum, mask=hmask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "m_off", "l_off"])
+@triton.jit(do_not_specialize=["num_splits", "m_off", "l_off", "sink_ptr"])
 def _sparse_mla_combine_kernel(
     scratch_ptr,  # uint8: partial acc at 0, m at m_off, l at l_off (fp32 elements)
     m_off,
     l_off,
     out_ptr,
     lse_ptr,
+    sink_ptr,  # SINK: fp32 [H] natural-log sink logits
     H,
     num_splits,
     s_o_t,
     s_o_h,
     s_lse_t,
     WRITE_LSE: tl.constexpr,
+    SINK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Merge the split partials of one (token, head): out = sum acc_s 2^(m_s - M) / L."""
+    """Merge the split partials of one (token, head): out = sum acc_s 2^(m_s - M) / L;
+    with ``SINK`` the sink joins M and L here, once (the splits never add it)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     acc_ptr = scratch_ptr.to(tl.pointer_type(tl.float32))
@@ -299,6 +339,9 @@ def _sparse_mla_combine_kernel(
     m_max = tl.full([], float("-inf"), tl.float32)
     for s in range(num_splits):
         m_max = tl.maximum(m_max, tl.load(m_ptr + first + s))
+    if SINK:
+        s2 = tl.load(sink_ptr + h) * SINK_LOG2E
+        m_max = tl.maximum(m_max, s2)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros((512,), tl.float32)
@@ -306,6 +349,8 @@ def _sparse_mla_combine_kernel(
         w = tl.exp2(tl.load(m_ptr + first + s) - m_safe)
         total += tl.load(l_ptr + first + s) * w
         acc += tl.load(acc_ptr + (first + s) * 512 + cols) * w
+    if SINK:
+        total += _sink_weight(s2, m_safe)
     out = acc * tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     o_ptrs = out_ptr + t * s_o_t + h * s_o_h + cols
     if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
@@ -327,7 +372,7 @@ TARGET_PROGRAMS = 256  # ~2 programs per SM on 132-170 SM parts
 MAX_SPLITS = 16
 _ALIGN = 16  # scratch regions and the scratch base, bytes
 _compiled: set[tuple] = set()
-_sites: dict[tuple, LaunchSite] = {}  # launch()'s sites (they hold no tensor)
+_sites: dict[tuple, LaunchSite] = {}  # site_for()'s sites (they hold no tensor)
 
 
 @dataclass(frozen=True)
@@ -438,36 +483,27 @@ def _num_stages(device: torch.device, fp8: bool, heads_per_program: int) -> int:
     return num_stages(torch.cuda.get_device_capability(device)[0], fp8, heads_per_program)
 
 
-def launch(
-    args,
+def site_for(
     kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    lengths: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    scratch: torch.Tensor | None,
-    softmax_scale: float,
+    num_heads: int,
+    topk: int,
     kv_format: str,
-    invalid: torch.Tensor | None = None,
-) -> None:
-    """Run both kernels on validated arguments (see ops.sparse_mla.forward)."""
-    t, h = args.num_tokens, args.num_heads
-    if t == 0:
-        return
-    if lengths is not None and lengths.stride(0) != 1:
-        # The kernel reads lengths[t] at len_ptr + t (a stride argument costs sm120 a
-        # larger frame); a strided [T] view is rare enough to copy (T int32s).
-        lengths = lengths.contiguous()
+    softmax_scale: float,
+    q_dtype: torch.dtype,
+    rope: int = ROPE,
+) -> LaunchSite:
+    """The cached ``LaunchSite`` of this cache geometry and call shape (the library path's;
+    a bound decode call keeps its own)."""
     key = (kv_cache.device, kv_cache.shape[:2], kv_cache.stride()[:2], kv_cache.data_ptr() & 15)
-    key += (h, args.topk, kv_format, softmax_scale, args.q_nope.dtype)
+    key += (num_heads, topk, kv_format, softmax_scale, q_dtype, rope)
     site = _sites.get(key)
     if site is None:
         if len(_sites) > 64:  # bounded: the (cache geometry, call shape) pairs seen
             _sites.clear()
         site = _sites[key] = LaunchSite(
-            kv_cache, h, args.topk, kv_format, softmax_scale, args.q_nope.dtype
+            kv_cache, num_heads, topk, kv_format, softmax_scale, q_dtype, rope=rope
         )
-    site.launch(args.q_nope, args.q_pe, kv_cache, indices, out, scratch, lengths, lse, invalid)
+    return site
 
 
 @dataclass(frozen=True)
@@ -501,8 +537,10 @@ class LaunchSite:
         kv_format: str,
         softmax_scale: float,
         q_dtype: torch.dtype,
+        rope: int = ROPE,
     ) -> None:
         self.device = kv_cache.device
+        self.rope = rope  # qk_rope_head_dim: 64, or 0 (q_pe and the rope slot unread)
         self.num_heads, self.topk, self.kv_format = num_heads, topk, kv_format
         self.block_h = block_h(num_heads)
         self.fp8 = kv_format == "fp8_ds_mla"
@@ -512,6 +550,8 @@ class LaunchSite:
         self.kv_strides = (kv_cache.stride(0), kv_cache.stride(1))
         self.kv_aligned = kv_cache.data_ptr() % 16 == 0
         self.fixed = (self.device, kv_format, q_dtype, self.block_h)
+        if rope != ROPE:  # rope-64 variant keys stay as they were
+            self.fixed += (rope,)
         self.fixed_specs = tuple(_spec(v) for v in (num_heads, self.block_size, *self.kv_strides))
         self.interpret = envs.triton_interpret()
         self.num_stages = _num_stages(self.device, self.fp8, self.block_h)
@@ -574,6 +614,8 @@ class LaunchSite:
                 HAS_ERR=flags[2],
                 LOGICAL=flags[3],
                 DCP=flags[4],
+                SINK=flags[5],
+                ROPE=self.rope,
                 BLOCK_H=self.block_h,
                 BLOCK_K=BLOCK_K,
                 INTERPRET=self.interpret,
@@ -596,6 +638,7 @@ class LaunchSite:
         req_id: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None,
         dcp: tuple[int, int, int] = (1, 0, 1),
+        sink: torch.Tensor | None = None,
     ) -> bool:
         """Run both kernels on validated arguments (``out [T, H, 512]`` written); True
         when the call's variant was new to the process (``compiled_variants()`` grew).
@@ -609,6 +652,8 @@ class LaunchSite:
         this rank holds are attended (its local positions mapped through its block
         table), the others are empty: one more variant (``DCP``), whatever the rank
         (runtime values), and the non-DCP variant unchanged (no extra registers).
+        ``sink``: fp32 ``[H]`` natural-log logits, one more term of each head's softmax
+        denominator (module docstring; a variant of its own, ``SINK``).
 
         A call whose variant this site already launched skips the variant bookkeeping
         (one dict lookup); a new one is checked against CUDA-graph capture first.
@@ -616,6 +661,12 @@ class LaunchSite:
         t = indices.shape[0]
         if t == 0:
             return False
+        if q_pe.shape[-1] != self.rope:
+            raise ValueError(
+                f"q_pe: this site serves qk_rope_head_dim {self.rope}, got {tuple(q_pe.shape)}"
+            )
+        if not self.rope:  # never read: q_nope stands in (an empty q_pe may hold no pointer)
+            q_pe = q_nope
         sp = self._splits.get(t) or self.split(t)
         direct = sp.plan.direct
         lens = lengths if lengths is not None else indices
@@ -640,6 +691,8 @@ class LaunchSite:
         dcp_on = logical and dcp[0] > 1
         size, rank, interleave = dcp
         flags = (lengths is not None, lse is not None, invalid is not None, logical, dcp_on)
+        flags += (sink is not None,)
+        sink_arg = sink if sink is not None else lens  # never read without SINK
         aligns = (
             q_nope.data_ptr() & 15,
             q_pe.data_ptr() & 15,
@@ -662,8 +715,9 @@ class LaunchSite:
                 raise SparseMLANotPrepared(
                     f"sparse MLA variant ({self.kv_format}, q {q_nope.dtype}, "
                     f"{'direct' if direct else 'split-K'}, lengths={flags[0]}, "
-                    f"lse={flags[1]}, H={self.num_heads}) was not compiled before CUDA-graph "
-                    "capture: call vllm_mla.ops.sparse_mla.prewarm(...) with this cache first"
+                    f"lse={flags[1]}, sink={flags[5]}, H={self.num_heads}) was not compiled "
+                    "before CUDA-graph capture: call vllm_mla.ops.sparse_mla.prewarm(...) with "
+                    "this cache first"
                 )
         s_o = (s_out[0], s_out[1], s_lse) if direct else (0, 0, 0)
         _sparse_mla_split_kernel[sp.grid](
@@ -676,6 +730,7 @@ class LaunchSite:
             part_m,
             part_m,
             err,
+            sink_arg,
             req_id,
             block_table,
             s_bt,
@@ -709,12 +764,14 @@ class LaunchSite:
                 sp.l_off,
                 out,
                 lse if lse is not None else out,
+                sink_arg,
                 self.num_heads,
                 sp.num_splits,
                 s_out[0],
                 s_out[1],
                 s_lse,
                 WRITE_LSE=flags[1],
+                SINK=flags[5],
                 INTERPRET=self.interpret,
                 num_warps=NUM_WARPS,
             )

@@ -10,6 +10,7 @@ from vllm_mla.ops import overlap
 from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
     ROPE,
+    ROPES,
     SparseMLAError,
     SparseMLATypeError,
     check_cache,
@@ -32,6 +33,11 @@ class Args:
     @property
     def dtype(self) -> torch.dtype:
         return self.q_nope.dtype
+
+    @property
+    def rope(self) -> int:
+        """qk_rope_head_dim of the call: 64, or 0 (latent-512 MLA without RoPE)."""
+        return self.q_pe.shape[-1]
 
 
 def _tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: tuple) -> torch.Tensor:
@@ -63,15 +69,19 @@ def _writable(name: str, t: torch.Tensor) -> None:
 
 
 def split_q(q: Query) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [T, H, 576]`` or ``(q_nope [T, H, 512], q_pe [T, H, 64])`` -> two views."""
+    """``q [T, H, 512 + R]`` or ``(q_nope [T, H, 512], q_pe [T, H, R])`` -> two views;
+    R (qk_rope_head_dim) in ``ROPES``: 64, or 0 (q_pe an empty ``[T, H, 0]``)."""
     if isinstance(q, tuple | list):
         if len(q) != 2:
             raise SparseMLAError(f"q: expected a (q_nope, q_pe) pair, got {len(q)} items")
         q_nope = _tensor("q_nope", q[0], Q_DTYPES, (None, None, LATENT))
         t, h = q_nope.shape[:2]
-        q_pe = _tensor("q_pe", q[1], (q_nope.dtype,), (t, h, ROPE))
+        rope = q[1].shape[-1] if isinstance(q[1], torch.Tensor) and q[1].dim() == 3 else ROPE
+        q_pe = _tensor("q_pe", q[1], (q_nope.dtype,), (t, h, rope if rope in ROPES else ROPE))
     else:
-        q = _tensor("q", q, Q_DTYPES, (None, None, LATENT + ROPE))
+        width = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else LATENT + ROPE
+        rope = width - LATENT if width - LATENT in ROPES else ROPE
+        q = _tensor("q", q, Q_DTYPES, (None, None, LATENT + rope))
         q_nope, q_pe = q[..., :LATENT], q[..., LATENT:]
     _contiguous_last("q_nope", q_nope)
     _contiguous_last("q_pe", q_pe)
@@ -90,11 +100,14 @@ def validate(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     invalid: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> Args:
-    """Check every argument against the contract; raise a typed, named error otherwise."""
+    """Check every argument against the contract; raise a typed, named error otherwise.
+
+    ``sink``: fp32 ``[H]`` with unit stride, one natural-log logit per head, or None."""
     q_nope, q_pe = split_q(q)
     t, h = q_nope.shape[:2]
-    check_cache(kv_cache, kv_format)
+    check_cache(kv_cache, kv_format, q_pe.shape[-1])
     if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
         raise SparseMLAError(f"kv_cache: expected a non-empty cache, got {tuple(kv_cache.shape)}")
     _tensor("indices", indices, (torch.int32,), (t, None))
@@ -114,6 +127,9 @@ def validate(
         _writable("lse", lse)
     if invalid is not None:
         named.append(("invalid", _tensor("invalid", invalid, (torch.int32,), (1,))))
+    if sink is not None:
+        named.append(("sink", _tensor("sink", sink, (torch.float32,), (h,))))
+        _contiguous_last("sink", sink)
     for name, x in named:
         if x.device != q_nope.device:
             raise SparseMLAError(f"{name}: expected device {q_nope.device} (q's), got {x.device}")

@@ -65,6 +65,11 @@ the two agree and that every target exists in the installed vLLM):
     why: off CUDA/XPU it needs Triton, which vLLM CPU runs without
     removal: when vLLM ships a CPU per_token_group_fp8_quant
 
+``cpu_indexer_query_quant_hy_v4`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+    target: ``vllm.models.hy_v4.nvidia.attention.per_token_group_quant_fp8``
+    why: HY-V4's indexer calls the name it imported itself, the same Triton fallback
+    removal: when vLLM ships a CPU per_token_group_fp8_quant
+
 ``wake_check_sleep`` (feature ``wake-check``, vLLM 0.32 and 0.33)
     target: ``vllm.v1.worker.gpu_worker.Worker.sleep``
     why: vLLM keeps no flag for weights discarded by sleep level 2 and not reloaded
@@ -284,6 +289,30 @@ PATCHES: tuple[Patch, ...] = (
         how="CPU tensors go through vllm_mla.ops.sparse_indexer.quantize_rows (same rule)",
         removal="when vLLM ships a CPU per_token_group_fp8_quant",
         factory="vllm_mla.vllm.patches.cpu_indexer_query_quant:make_per_token_group_quant_fp8",
+        platforms=("cpu",),
+    ),
+    Patch(
+        name="cpu_indexer_query_quant_hy_v4",
+        feature="sparse-cpu",
+        module="vllm.models.hy_v4.nvidia.attention",
+        qualname="per_token_group_quant_fp8",
+        params=(
+            "x",
+            "group_size",
+            "eps",
+            "dtype",
+            "column_major_scales",
+            "tma_aligned_scales",
+            "out_q",
+            "use_ue8m0",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="HY-V4's indexer quantizes its query through its own import of the function",
+        how="the cpu_indexer_query_quant replacement, under HY-V4's name",
+        removal="when vLLM ships a CPU per_token_group_fp8_quant",
+        factory=(
+            "vllm_mla.vllm.patches.cpu_indexer_query_quant_hy_v4:make_per_token_group_quant_fp8"
+        ),
         platforms=("cpu",),
     ),
     Patch(

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from vllm_mla import envs
-from vllm_mla.backends import capabilities_for, lifecycle_config
 from vllm_mla.vllm import fused_query, telemetry, wake_check
+from vllm_mla.vllm.capabilities import capabilities_for, lifecycle_config
 from vllm_mla.weights import LifecycleConfig, PostLoadError, forms, post_load
 from vllm_mla.weights.absorb import state_of
 from vllm_mla.weights.direct import DIRECT_DECODES, DirectModeError

@@ -1,10 +1,15 @@
 """``B12X_MLA_SPARSE``: the attention backend class vLLM resolves by name.
 
-Sparse MLA (DeepSeek-V3.2 / GLM-5 DSA), head size 576, MQA-only (every token goes
+Sparse MLA (DeepSeek-V3.2 / GLM-5 DSA), head size 576 (latent 512 + RoPE 64) or 512
+(latent 512 without RoPE: GLM-5.3-Flash), MQA-only (every token goes
 through ``forward_mqa`` with top-k selection; no dense MHA prefill), KV cache
 ``fp8_ds_mla`` (656-byte records) or bf16, kernel pages of 64 rows, SM80 and newer.
 Decode context parallelism: served (``supports_dcp`` reads the impl's; see its module).
+Attention sink (HY-V4's learnable per-head logit): served (``supports_sink``), except
+under decode context parallelism (``served``).
 Never auto-selected: ``--attention-backend B12X_MLA_SPARSE`` (or ``CUSTOM``).
+
+What it serves, and the refusal of anything else: ``served``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows
 
-from vllm_mla.formats import HEAD_DIM, PAGE_ROWS, SPARSE_BACKEND  # the kernels read 64-row pages
+from vllm_mla.formats import (  # the kernels read 64-row pages
+    PAGE_ROWS,
+    SPARSE_BACKEND,
+)
+from vllm_mla.vllm.sparse.served import (
+    SERVES,
+    geometry_refusal,
+    model_refusals,
+    refusal,
+)
 
 if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
@@ -57,7 +71,7 @@ class B12XMLASparseBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [HEAD_DIM]
+        return list(SERVES.head_sizes)
 
     @classmethod
     def is_mla(cls) -> bool:
@@ -66,6 +80,16 @@ class B12XMLASparseBackend(AttentionBackend):
     @classmethod
     def is_sparse(cls) -> bool:
         return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        # HY-V4 hands its fp32 [heads] sinks to the impl where this is True (and drops
+        # them, warning only, where it is False)
+        return SERVES.sink
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return SERVES.sliding_window
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
@@ -89,21 +113,34 @@ class B12XMLASparseBackend(AttentionBackend):
         use_mm_prefix: bool,
         device_capability: DeviceCapability,
     ) -> str | None:
+        """Every unserved setting the selector shows, and the current model's, named in
+        one reason (vLLM's generic reasons, e.g. "head_size not supported", stay too).
+        With the backend forced, vLLM's selector raises at start-up with it."""
         from vllm.config import get_current_vllm_config_or_none
 
+        reasons = []
+        if not use_mla:
+            reasons.append("use_mla=False (a non-MLA attention layer)")
+        if not use_sparse:
+            reasons.append("use_sparse=False (a dense MLA layer: no indexer top-k)")
+        if use_mla:
+            geometry = geometry_refusal(head_size)
+            if geometry is not None:
+                reasons.append(geometry)
         config = get_current_vllm_config_or_none()
-        if config is None:
-            return None
-        if config.attention_config.hisparse_config is not None:
-            return f"{NAME} does not serve HiSparse (host-offloaded) KV caches"
-        if config.model_config is not None:
-            hf = config.model_config.hf_text_config
-            if getattr(hf, "index_topk", None) is None:
-                return f"{NAME} needs a sparse (DSA) model: hf config has no index_topk"
-            if getattr(hf, "kv_lora_rank", 512) != 512 or getattr(hf, "qk_rope_head_dim", 64) != 64:
-                return (
-                    f"{NAME} needs kv_lora_rank=512 and qk_rope_head_dim=64, got "
-                    f"{getattr(hf, 'kv_lora_rank', None)} and "
-                    f"{getattr(hf, 'qk_rope_head_dim', None)}"
-                )
-        return None
+        dcp_size = 1 if config is None else config.parallel_config.decode_context_parallel_size
+        if has_sink and not SERVES.sink:
+            reasons.append("has_sink=True (an attention sink)")
+        elif has_sink and dcp_size > 1 and not SERVES.sink_under_dcp:
+            reasons.append(
+                f"has_sink=True with decode_context_parallel_size={dcp_size} (an attention "
+                "sink under DCP)"
+            )
+        if kv_cache_dtype is not None and kv_cache_dtype not in ACCEPTED_KV_CACHE_DTYPES:
+            reasons.append(f"kv_cache_dtype={kv_cache_dtype}")
+        if config is not None:
+            if config.attention_config.hisparse_config is not None:
+                reasons.append("hisparse_config (a host-offloaded HiSparse KV cache)")
+            if config.model_config is not None:
+                reasons += model_refusals(config.model_config.hf_text_config, dcp_size)
+        return refusal(list(dict.fromkeys(reasons)))

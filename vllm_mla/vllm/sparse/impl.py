@@ -4,7 +4,7 @@ What it does (vLLM 0.33's impl contract):
 
 - MQA-only (``supports_dense_mha_prefill=False``): the layer sets no prefill backend
   and every token reaches ``forward_mqa``; the lifecycle then releases kv_b_proj's
-  sources (capability ``B12X_MLA_SPARSE`` in ``vllm_mla.backends.capabilities``).
+  sources (capability ``B12X_MLA_SPARSE`` in ``vllm_mla.vllm.capabilities``).
 - Top-k: logical positions from the indexer-owned buffer, resolved every call
   (``TopkSelection``); converted to physical rows by vLLM's Triton kernel on GPU and
   by ``logical_to_physical`` elsewhere.
@@ -31,6 +31,14 @@ What it does (vLLM 0.33's impl contract):
   the setting named: PCP (vLLM, by ``supports_pcp``), DCP together with speculative
   decoding (``refuse_unserved_dcp``). On vLLM CPU two of vLLM's DCP kernels are Triton or
   refuse context parallelism; ``cpu_dcp`` stands in for them.
+- Attention sink (HY-V4): vLLM's ``MLAAttention`` hands the layer's learnable sink as the
+  ``sinks`` kwarg (``HYV4MLAAttention``: an fp32 ``[heads]`` Parameter, the local TP
+  shard, raw logits loaded after construction). The impl keeps that Parameter (never a
+  copy: the weights load into it later) and passes it to every kernel call, where it
+  joins each head's softmax denominator once (``ops.sparse_mla``, ``sink=``); the plan
+  declares it (``SparseMLACaps.sink``) so its variant is prepared. b12x has no sink input
+  and declines (``serving_impl``): Triton serves. Refused at start-up, named
+  (``served.refuse_layer``): a sink under DCP, a sinks tensor not fp32 ``[heads]``.
 """
 
 from __future__ import annotations
@@ -40,9 +48,10 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
-from vllm.v1.attention.backend import AttentionType, MLAAttentionImpl
+from vllm.v1.attention.backend import MLAAttentionImpl
 
-from vllm_mla.formats import HEAD_DIM, ROPE
+from vllm_mla.formats import ROPE
+from vllm_mla.formats import SPARSE_BACKEND as NAME
 from vllm_mla.ops.dcp import NO_DCP, DCPShard
 from vllm_mla.ops.sparse_mla import (
     LATENT,
@@ -56,7 +65,7 @@ from vllm_mla.ops.sparse_mla import (
 )
 from vllm_mla.ops.sparse_mla.preparation import BoundCall
 from vllm_mla.vllm import telemetry
-from vllm_mla.vllm.sparse.backend import NAME
+from vllm_mla.vllm.sparse.served import refuse_layer, topk_buffer_width
 
 logger = logging.getLogger("vllm_mla")
 
@@ -70,6 +79,14 @@ B12X_DCP_DECLINED = (
     "b12x declines DCP: a row with none of this rank's selected tokens must give out 0 and "
     "lse -inf (the identity of vLLM's LSE merge), unverified for b12x, and routine under "
     "DCP; the Triton kernel serves"
+)
+B12X_SINK_DECLINED = (
+    "b12x declines the attention sink (its sparse-MLA Caps and bind take none); the Triton "
+    "kernel serves"
+)
+B12X_NOPE_DECLINED = (
+    "b12x declines qk_rope_head_dim 0 (its GLM_NSA records carry a 64-wide RoPE); the "
+    "Triton kernel serves"
 )
 
 
@@ -89,13 +106,20 @@ def plan_for(device: torch.device, caps: SparseMLACaps, impl: str | None = None)
     return _plans[key]
 
 
-def serving_impl(chosen: str, dcp_world_size: int = 1) -> str:
+def serving_impl(chosen: str, dcp_world_size: int = 1, sink: bool = False, rope: int = ROPE) -> str:
     """The implementation this backend's plans use where the kernel chooses ``chosen``
-    (``select_impl``): the same, except that under DCP b12x declines
-    (``B12X_DCP_DECLINED``) and Triton serves."""
+    (``select_impl``): the same, except that under DCP (``B12X_DCP_DECLINED``), with an
+    attention sink (``B12X_SINK_DECLINED``) and without RoPE (``B12X_NOPE_DECLINED``)
+    b12x declines and Triton serves."""
     impl = chosen
+    if impl == "b12x" and rope != ROPE:
+        logger.info("vllm-mla: %s: %s", NAME, B12X_NOPE_DECLINED)
+        return "triton"
     if impl == "b12x" and dcp_world_size > 1:
         logger.info("vllm-mla: %s: %s", NAME, B12X_DCP_DECLINED)
+        return "triton"
+    if impl == "b12x" and sink:
+        logger.info("vllm-mla: %s: %s", NAME, B12X_SINK_DECLINED)
         return "triton"
     return impl
 
@@ -218,15 +242,27 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         topk_indices_buffer: torch.Tensor | None = None,
         **mla_args: Any,
     ) -> None:
-        if alibi_slopes or sliding_window or logits_soft_cap:
-            raise NotImplementedError(f"{NAME}: no alibi, sliding window or soft cap")
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"{NAME}: decoder self-attention only, got {attn_type}")
-        if (head_size, kv_lora_rank, qk_rope_head_dim) != (HEAD_DIM, LATENT, ROPE):
-            raise ValueError(
-                f"{NAME}: expected head_size 576 = kv_lora_rank 512 + rope 64, got "
-                f"{head_size} = {kv_lora_rank} + {qk_rope_head_dim}"
-            )
+        # Anything but what the backend declares (backend.SERVES) is refused here, named:
+        # the sliding window and sinks never reach vLLM's selector. dcp_world_size: set by
+        # vLLM's AttentionImplBase.__new__.
+        sinks = mla_args.pop("sinks", None)
+        refuse_layer(
+            head_size=head_size,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+            sinks=sinks,
+            num_heads=num_heads,
+            dcp_size=self.dcp_world_size,
+        )
+        # fp32 [H]: the model's Parameter itself, read at every call (its weights load
+        # after construction); None: no sink
+        self.sinks: torch.Tensor | None = sinks
         # index_group_builder (and any other generic sparse argument) is accepted and
         # deliberately unused: registering with it allocates group conversion buffers,
         # a side stream and two events per indexer layer that this impl never reads.
@@ -303,8 +339,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         if config is not None:
             max_tokens = config.scheduler_config.max_num_batched_tokens
             block_size = config.cache_config.block_size or 64
-            if topk is None and config.model_config is not None:
-                topk = getattr(config.model_config.hf_text_config, "index_topk", None)
+            hf = config.model_config.hf_text_config if config.model_config is not None else None
+            if topk is None and getattr(hf, "index_topk", None) is not None:
+                topk = topk_buffer_width(hf)  # the model's buffer width (kpool: wider)
             sizes = config.compilation_config.cudagraph_capture_sizes or ()
             buckets = tuple(s for s in sizes if s <= max_tokens)
         if topk is None:
@@ -319,6 +356,8 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             return_lse=dcp,  # DCP: vLLM merges the ranks by it
             token_buckets=buckets,
             dcp=dcp,
+            sink=self.sinks is not None,  # the kernel's sink variant is the one prepared
+            rope=self.qk_rope_head_dim,  # 64, or 0: q_pe [T, H, 0], rope-0 records
         )
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -330,7 +369,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     def _bind_plan(self, device: torch.device) -> PreparationSession:
         self.session = session_for(device)
         chosen = self.session.kernel.select_impl(device)
-        impl = serving_impl(chosen, self.dcp.size)
+        impl = serving_impl(chosen, self.dcp.size, self.sinks is not None, self.qk_rope_head_dim)
         self.plan = plan_for(device, self.caps, None if impl == chosen else impl)
         self._call = None  # the next forward binds a call to this plan
         self._locked_buffers = None
@@ -444,7 +483,8 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         layer: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sparse attention of all tokens: (out [T, H, 512], None), or under DCP (out, lse
-        [T, H] fp32 natural log) over the selected tokens this rank holds.
+        [T, H] fp32 natural log) over the selected tokens this rank holds. With the layer's
+        ``sinks`` every call passes them (one more term of each head's denominator).
 
         Three hops to the launch: here -> ``BoundCall.run`` -> the kernel's launch. The
         output (and the lse) is a view of vLLM's shared workspace (consumed by the DCP
@@ -456,7 +496,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         """
         if isinstance(q, tuple):
             q_nope, q_pe = q
-        else:  # fused [T, H, 576]: split as views, no copy
+        else:  # fused [T, H, 512 + rope]: split as views, no copy (rope 0: q_pe [T, H, 0])
             q_nope, q_pe = q[..., :LATENT], q[..., LATENT:]
         num_tokens = q_nope.shape[0]
         logical = self._selection.resolve(num_tokens)
@@ -474,6 +514,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
                 attn_metadata.req_id_per_token,
                 attn_metadata.block_table,
                 lse=lse,
+                sink=self.sinks,
             )
             return out, lse
         rows = getattr(attn_metadata, "physical_indices", None)  # the builder's buffer
@@ -485,7 +526,8 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             out=None if rows is None else rows[:num_tokens, : logical.shape[1]],
             shard=self.dcp,
         )
-        return call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical, lse=lse), lse
+        out = call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical, lse=lse, sink=self.sinks)
+        return out, lse
 
     def _bind_call(self, kv_cache: torch.Tensor, block_size: int) -> BoundCall:
         if block_size != kv_cache.shape[1]:
@@ -512,14 +554,15 @@ def write_records(
     slot_mapping: torch.Tensor,
     kv_format: str,
 ) -> None:
-    """Pack ``kv_c [T, 512]`` and ``k_pe [T, (1,) 64]`` into ``kv_cache`` at ``slot_mapping``."""
+    """Pack ``kv_c [T, 512]`` and ``k_pe [T, (1,) rope]`` (rope 64 or 0) into ``kv_cache`` at
+    ``slot_mapping``."""
     tokens = slot_mapping.shape[0]
     keep = slot_mapping[:tokens] >= 0
     if not bool(keep.any()):
         return
     slots = slot_mapping[:tokens][keep].long()
     kv_c = kv_c[:tokens][keep]
-    k_pe = k_pe[:tokens].reshape(tokens, -1)[keep]
+    k_pe = k_pe[:tokens].reshape(tokens, k_pe.shape[-1])[keep]  # rope 0: [T, 0] (no -1)
     records = pack_rows(kv_c, k_pe, kv_format)
     block_size = kv_cache.shape[1]
     kv_cache[slots // block_size, slots % block_size] = records.to(kv_cache.dtype)

@@ -14,9 +14,9 @@ out-of-tree class):
 - **CPU** (feature ``sparse-cpu``): ``forward_cpu`` selects with the torch oracle
   (``vllm_mla.ops.sparse_indexer.reference``).
 - **CUDA** (feature ``sparse-indexer``, ``VLLM_MLA_INDEXER``): where the choice is ours,
-  ``forward_cuda`` selects with the Triton kernels
-  (``vllm_mla.ops.sparse_indexer.triton_kernels``: index-key insert, paged logits over
-  each token's block table, exact top-k), all tensor ops: no host sync, no
+  ``forward_cuda`` selects with the Triton kernels (``vllm_mla.ops.sparse_indexer.api``,
+  chosen by its ``dispatch``: index-key insert, paged logits over each token's block table,
+  exact top-k), all tensor ops: no host sync, no
   data-dependent shape (decode logits are ``[T, max_model_len]``), so a captured graph
   replays it. Otherwise vLLM's ``forward_cuda`` runs unchanged.
 - Decode context parallelism (``decode_context_parallel_size`` > 1): ``select_dcp``, on
@@ -45,13 +45,15 @@ import torch
 
 from vllm_mla import envs
 from vllm_mla.ops.dcp import NO_DCP, DCPShard
-from vllm_mla.ops.sparse_indexer import reference
+from vllm_mla.ops.sparse_indexer.dispatch import ReferenceKernels, kernels_for
 from vllm_mla.vllm import telemetry
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # the kernels forward_cpu / _cuda run
 
 logger = logging.getLogger("vllm_mla")
 BASE_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 # Bytes per (token, position) score while selecting: the fp32 logit and the top-k's
-# int64 key, its order and the gathered result (triton_kernels.select_topk).
+# int64 key, its order and the gathered result (``ops.sparse_indexer.api.select_topk``).
 TOPK_BYTES_PER_SCORE = 4 + 3 * 8
 _registered: str | None = None
 
@@ -133,39 +135,6 @@ def _decode_tokens(decode: object, num_tokens: int) -> tuple[torch.Tensor, ...]:
     lengths = seq[:, -1].long()[owner] - lens[owner] + 1 + position
     lengths = torch.where(rows < ends[-1], lengths.clamp_min(0), 0)
     return rows, decode.block_table[owner], lengths.to(torch.int32)
-
-
-class ReferenceKernels:
-    """The torch oracle behind the kernels' interface (CPU)."""
-
-    insert_keys = staticmethod(reference.insert_keys)
-
-    @staticmethod
-    def index_topk(q, weights, cache, block_tables, lengths, topk, *, max_len):
-        return reference.index_topk(q.float(), weights, cache, block_tables, lengths, topk)
-
-    @staticmethod
-    def paged_logits(q, weights, cache, block_tables, lengths, *, max_len):
-        """fp32 ``[T, max_len]`` logits of each token against its own request's keys,
-        ``-inf`` at positions >= its length: ``reference.index_topk``'s, token by token."""
-        q = q.float()
-        out = torch.full((q.shape[0], max_len), float("-inf"), device=q.device)
-        bs = cache.shape[1]
-        for i in range(q.shape[0]):
-            length = min(int(lengths[i]), max_len)
-            if length <= 0:
-                continue
-            k, k_scale = reference.read_keys(
-                cache, reference.request_rows(block_tables[i], length, bs)
-            )
-            out[i, :length] = reference.logits(q[i : i + 1], weights[i : i + 1], k, k_scale)[0]
-        return out
-
-
-def triton_kernels() -> ModuleType:
-    from vllm_mla.ops.sparse_indexer import triton_kernels as kernels
-
-    return kernels
 
 
 def _insert_step_keys(layer: object, k: torch.Tensor | None, meta: object, kernels: object):
@@ -422,30 +391,13 @@ def make_indexer() -> type:
             if meta is None:  # profile run: the logits peak, as vLLM's indexer reserves it
                 _reserve_logits_peak(hidden_states.device)
                 return self.topk_indices_buffer
+            sizes = {"max_decode_len": self.max_model_len, "budget_bytes": _logits_budget()}
+            args = (hidden_states, q_quant, k, weights, meta, kernels_for(CUDA))
             if self.dcp_world_size > 1:
                 telemetry.record_sparse("indexer:triton:dcp")
-                return self._vllm_mla_select_dcp(
-                    hidden_states,
-                    q_quant,
-                    k,
-                    weights,
-                    meta,
-                    triton_kernels(),
-                    max_decode_len=self.max_model_len,
-                    budget_bytes=_logits_budget(),
-                )
+                return self._vllm_mla_select_dcp(*args, **sizes)
             telemetry.record_sparse("indexer:triton")
-            return select(
-                self,
-                hidden_states,
-                q_quant,
-                k,
-                weights,
-                meta,
-                triton_kernels(),
-                max_decode_len=self.max_model_len,
-                budget_bytes=_logits_budget(),
-            )
+            return select(self, *args, **sizes)
 
         def forward_cpu(self, hidden_states, q_quant, k, weights):
             if _delegates(self):
@@ -456,10 +408,10 @@ def make_indexer() -> type:
             if self.dcp_world_size > 1:
                 telemetry.record_sparse("indexer:cpu:dcp")
                 return self._vllm_mla_select_dcp(
-                    hidden_states, q_quant, k, weights, meta, ReferenceKernels
+                    hidden_states, q_quant, k, weights, meta, kernels_for(CPU)
                 )
             telemetry.record_sparse("indexer:cpu")
-            return select(self, hidden_states, q_quant, k, weights, meta, ReferenceKernels)
+            return select(self, hidden_states, q_quant, k, weights, meta, kernels_for(CPU))
 
     PortableSparseAttnIndexer.__qualname__ = "PortableSparseAttnIndexer"
     return PortableSparseAttnIndexer

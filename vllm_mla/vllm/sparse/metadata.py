@@ -5,7 +5,8 @@ so that it allocates no chunked-prefill workspace (~72 MiB) and no top-k mask
 workspace: every token goes through ``forward_mqa``, so ``prefill`` is always None.
 It owns int32 buffers: ``max_num_batched_tokens`` token -> request indices, and, only
 where the device's kernel takes physical rows (b12x, the reference),
-``[max_num_batched_tokens, topk]`` physical rows (each layer converts its logical top-k
+``[max_num_batched_tokens, topk]`` physical rows (topk: the model's top-k buffer
+width, ``served.topk_buffer_width``) (each layer converts its logical top-k
 into it right before its kernel, so no step allocates them; the Triton kernel maps
 logical rows itself, so that 4 x tokens x topk-byte buffer is not allocated), and calls
 ``_init_reorder_batch_threshold`` so vLLM reorders batches decode-first.
@@ -21,8 +22,10 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLAC
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from vllm_mla.formats import ROPE
 from vllm_mla.ops.sparse_mla import select_impl
 from vllm_mla.vllm.sparse.impl import serving_impl
+from vllm_mla.vllm.sparse.served import model_has_sink, topk_buffer_width
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,12 +55,16 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         hf = vllm_config.model_config.hf_text_config
-        self.topk_tokens: int = int(hf.index_topk)
+        # the model's top-k buffer width (a kpool model's is wider than index_topk)
+        self.topk_tokens: int = topk_buffer_width(hf)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.req_id_per_token_buffer = torch.empty((max_tokens,), dtype=torch.int32, device=device)
         self.physical_indices_buffer: torch.Tensor | None = None
         dcp = vllm_config.parallel_config.decode_context_parallel_size
-        if serving_impl(select_impl(device), dcp) != "triton":  # the plan takes physical rows
+        rope = getattr(hf, "qk_rope_head_dim", None)
+        rope = rope if isinstance(rope, int) else ROPE
+        impl = serving_impl(select_impl(device), dcp, model_has_sink(hf), rope)  # the layers'
+        if impl != "triton":  # the plan takes physical rows
             self.physical_indices_buffer = torch.empty(
                 (max_tokens, self.topk_tokens), dtype=torch.int32, device=device
             )

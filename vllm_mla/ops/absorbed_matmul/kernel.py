@@ -14,10 +14,14 @@ never takes it.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from vllm_mla.ops.triton.bits import round_to_bf16
+from vllm_mla import envs
+from vllm_mla.ops.absorbed_matmul.api import as_uint8
+from vllm_mla.ops.capture import check_compiled, record_compiled
+from vllm_mla.ops.triton_bits import round_to_bf16
 
 
 @triton.jit
@@ -113,3 +117,67 @@ def absorbed_bmm_kernel(
     tl.store(
         o_ptr + b * s_ob + rows[:, None] * s_om + cols[None, :] * s_on, val, mask=row_ok & col_ok
     )
+
+
+def tiles(m: int, n: int, k: int, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): tl.dot needs >= 16 on every side."""
+    if interpret:  # few, large programs: the interpreter's cost is per program
+        return max(16, triton.next_power_of_2(min(m, 64))), triton.next_power_of_2(n), 32
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return block_m, 64, 64 if k % 64 == 0 else 32
+
+
+def launch(a: torch.Tensor, values: torch.Tensor, scales, out: torch.Tensor) -> None:
+    """Launch ``out = a @ W`` on validated operands (``api``'s contract).
+
+    ``scales`` is None for a dense W; otherwise its shape says the block axis.
+    """
+    if out.numel() == 0:
+        return  # B, M or N is 0 (no tile to launch; N = 0 would make a 0-wide tile)
+    interpret = envs.triton_interpret()
+    batch, m, k = a.shape
+    n = values.shape[2]
+    block_m, block_n, block_k = tiles(m, n, k, interpret)
+    mx = scales is not None
+    if mx:
+        scales = as_uint8(scales)
+    along_k = mx and scales.shape[1] != k
+    s = scales if mx else values  # unused when dense
+    key = (
+        "absorbed_bmm",
+        a.device,
+        a.dtype,
+        values.dtype,
+        out.dtype,
+        mx,
+        along_k,
+        n,
+        k,
+        block_m,
+        tuple(t.data_ptr() % 16 == 0 for t in (a, values, s, out)),
+    )
+    check_compiled(key, a.device, f"absorbed bmm variant (M bucket {block_m}, K={k}, N={n})")
+    grid = (batch, triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    absorbed_bmm_kernel[grid](
+        a,
+        values,
+        s,
+        out,
+        m,
+        *a.stride(),
+        *values.stride(),
+        *(s.stride() if mx else (0, 0, 0)),
+        *out.stride(),
+        N=n,
+        K=k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        MXFP8=mx,
+        SCALE_ALONG_K=along_k,
+        FP32_IN=a.dtype == torch.float32,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        INTERPRET=interpret,
+        num_warps=4,
+    )
+    record_compiled(key)

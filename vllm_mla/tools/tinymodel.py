@@ -29,11 +29,27 @@ With ``kv_b_format="mxfp8"`` kv_b_proj is an MXFP8 compressed-tensors layer (e4m
 ``weight`` + uint8 E8M0 ``weight_scale`` per 32 input columns, ``format:
 mxfp8-quantized``, the only target), everything else fp32; ``kv_b_exact="mxfp8"``
 stores fp32 values on the MXFP8 grid for the fp32 twin.
+
+With ``arch="hy-v4"`` the checkpoint is Tencent HY-V4 (``hy_v4``, ``HYV4ForCausalLM``):
+MLA 576 (kv_lora_rank 512, rope 64; HY-V4's qk_nope 192 and v 256), q LoRA, a V3.2
+lightning indexer on the "full" indexer layers (HY-V4's pattern: layer 0 and every fourth
+from layer 1; the others are "shared" and reuse the last full layer's top-k), an
+elementwise output gate (``linear_gate``), a learnable per-head attention sink
+(``learnable_sink_param``, drawn nonzero so it changes the output), iHC hyper-connections
+(``hc_mult`` residual streams: ``hc_attn_layer`` / ``hc_mlp_layer`` and ``hc_head``), a
+dense first layer and sigmoid-routed MoE layers after it (``experts`` small experts, fused
+``gate_up_proj`` / ``down_proj``, one shared expert). Tensors carry the original checkpoint
+names vLLM's ``HYV4ForCausalLM`` loads; transformers' ``HYV4ForCausalLM`` renames them on
+load (its ``conversion_mapping``), so both load the folder with no missing keys.
+``swiglu_limit`` is set far above any activation of these weights (the routed-expert clamp
+never engages), and ``rms_norm_eps`` 1e-6 is the eps both implementations hard-code in
+places (q/kv LoRA norms, the indexer's key norm).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +66,10 @@ V_HEAD = 128
 KV_B_FORMATS = ("fp32", "fp8-block", "mxfp8")
 EXACT_GRIDS = ("fp8-block", "mxfp8")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+ARCHS = ("deepseek", "hy-v4")
+HYV4_QK_NOPE = 192  # HY-V4's qk_nope_head_dim and v_head_dim (DeepSeek's are 128 / 128)
+HYV4_V_HEAD = 256
+HYV4_SWIGLU_LIMIT = 1000.0  # far above any expert activation here: the clamp never engages
 
 
 class MakeModelError(ValueError):
@@ -76,8 +96,17 @@ class TinyModelSpec:
     index_heads: int = 32  # sparse only; >= 32 keeps ReLU ties at 0 from deciding top-k
     index_head_dim: int = 128  # sparse only (vLLM's indexer is written for 128)
     mtp_layers: int = 0  # sparse only: multi-token-prediction layers (speculative decoding)
+    arch: str = "deepseek"  # "deepseek" (V2, or V3.2 with sparse) or "hy-v4" (always DSA)
+    experts: int = 4  # hy-v4 only: routed experts per MoE layer
+    experts_per_tok: int = 2  # hy-v4 only
+    hc_mult: int = 4  # hy-v4 only: iHC residual streams
+    sink_logit: float = 2.0  # hy-v4 only: mean of the per-head sink logits (std 1)
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise MakeModelError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch == "hy-v4":
+            self._check_hyv4()
         for name in ("layers", "heads", "hidden", "intermediate"):
             if getattr(self, name) < 1:
                 raise MakeModelError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -85,7 +114,7 @@ class TinyModelSpec:
             raise MakeModelError(f"vocab must be >= 300 (256 bytes + specials), got {self.vocab}")
         if not self.init_std > 0:
             raise MakeModelError(f"--init-std must be > 0, got {self.init_std}")
-        if self.sparse:
+        if self.dsa:
             for name in ("q_lora_rank", "index_topk", "index_heads"):
                 if getattr(self, name) < 1:
                     raise MakeModelError(f"--{name.replace('_', '-')} must be >= 1")
@@ -106,6 +135,35 @@ class TinyModelSpec:
                 f"kv_b exact grid must be one of {EXACT_GRIDS}, got {self.kv_b_exact!r}"
             )
 
+    def _check_hyv4(self) -> None:
+        unsupported = {
+            "kv_b_format": (self.kv_b_format, "fp32"),
+            "kv_b_exact": (self.kv_b_exact, False),
+            "mtp_layers": (self.mtp_layers, 0),
+        }
+        for name, (value, only) in unsupported.items():
+            if value != only:
+                raise MakeModelError(
+                    f"--{name.replace('_', '-')} {value!r} is not made for --arch hy-v4 "
+                    f"(only {only!r})"
+                )
+        if self.layers < 2:
+            raise MakeModelError(
+                f"--arch hy-v4 needs --layers >= 2 (a dense layer, then MoE), got {self.layers}"
+            )
+        for name in ("experts", "experts_per_tok", "hc_mult"):
+            if getattr(self, name) < 1:
+                raise MakeModelError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.experts_per_tok > self.experts:
+            raise MakeModelError(
+                f"--experts-per-tok {self.experts_per_tok} > --experts {self.experts}"
+            )
+
+    @property
+    def dsa(self) -> bool:
+        """A DSA model: DeepSeek-V3.2 (``sparse``) or HY-V4 (always)."""
+        return self.sparse or self.arch == "hy-v4"
+
     @property
     def kv_b_grid(self) -> str | None:
         """The quantized grid kv_b_proj's values lie on (None: free fp32 values)."""
@@ -118,6 +176,8 @@ class TinyModelSpec:
 
 def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
     """The transformers ``DeepseekV2Config`` fields of the model (dense layers only)."""
+    if spec.arch == "hy-v4":
+        return hyv4_config_dict(spec, vocab)
     config = {
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
@@ -198,6 +258,71 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
     return config
 
 
+def hyv4_indexer_types(layers: int) -> list[str]:
+    """HY-V4's indexer pattern: a full indexer on layer 0 and every fourth from layer 1."""
+    return ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)]
+
+
+def hyv4_config_dict(spec: TinyModelSpec, vocab: int) -> dict:
+    """The ``hy_v4`` config: every field transformers' and vLLM's ``HYV4Config`` read
+    (vLLM turns iHC, the gate and the sink on only where the config says so)."""
+    layers = spec.layers
+    return {
+        "architectures": ["HYV4ForCausalLM"],
+        "model_type": "hy_v4",
+        "vocab_size": vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "moe_intermediate_size": spec.intermediate // 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.heads,
+        "head_dim": QK_ROPE,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position,
+        "initializer_range": spec.init_std,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "n_routed_experts": spec.experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": spec.experts_per_tok,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": spec.q_lora_rank,
+        "kv_lora_rank": KV_LORA_RANK,
+        "qk_nope_head_dim": HYV4_QK_NOPE,
+        "qk_rope_head_dim": QK_ROPE,
+        "v_head_dim": HYV4_V_HEAD,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+        "layer_types": ["indexed_attention"] * layers,
+        "index_topk": spec.index_topk,
+        "index_head_dim": spec.index_head_dim,
+        "index_n_heads": spec.index_heads,
+        "indexer_types": hyv4_indexer_types(layers),
+        "enable_ihc": True,
+        "hc_mult": spec.hc_mult,
+        "hc_magnitude": 2.0,
+        "hc_eps": 1e-6,
+        "gated_mla": True,
+        "gating_type": "elementwise",
+        "learnable_sink": True,
+        "learnable_sink_init": 0.0,
+        "swiglu_limit": HYV4_SWIGLU_LIMIT,
+        "enable_lm_head_fp32": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
 def _fp32_modules(spec: TinyModelSpec) -> list[str]:
     names = ["lm_head"]
     for i in range(spec.layers + spec.mtp_layers):
@@ -220,6 +345,8 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * spec.init_std
 
+    if spec.arch == "hy-v4":
+        return _hyv4_weights(spec, vocab, gen, normal)
     d = spec.hidden
     out = {"model.embed_tokens.weight": normal(vocab, d)}
     for i in range(spec.layers):
@@ -287,6 +414,72 @@ def _sparse_attention(spec: TinyModelSpec, p: str, normal) -> dict[str, torch.Te
         f"{ix}.k_norm.bias": torch.zeros(hd),
         f"{ix}.weights_proj.weight": normal(n, d),
     }
+
+
+def _hyv4_weights(spec: TinyModelSpec, vocab: int, gen, normal) -> dict[str, torch.Tensor]:
+    """HY-V4 weights under the original checkpoint names (what vLLM loads)."""
+    d, h, r, hc = spec.hidden, spec.heads, spec.q_lora_rank, spec.hc_mult
+    n, hd, e = spec.index_heads, spec.index_head_dim, spec.experts
+    moe = spec.intermediate // 4
+
+    def hyper(prefix: str, outputs: int, scales: int) -> dict[str, torch.Tensor]:
+        # HY-V4's init for base and scale (-log(hc - 1) on the pre gates, 0.01), plus
+        # noise so every stream and gate differs
+        base = torch.zeros(outputs)
+        base[:hc] = -math.log(max(hc - 1, 1))
+        return {
+            f"{prefix}_fn": normal(outputs, hc * d),
+            f"{prefix}_base": base + 0.1 * torch.randn(outputs, generator=gen),
+            f"{prefix}_scale": 0.1 + 0.05 * torch.rand(scales, generator=gen),
+        }
+
+    out = {"model.embed_tokens.weight": normal(vocab, d)}
+    types = hyv4_indexer_types(spec.layers)
+    for i in range(spec.layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        out |= {
+            f"{p}.input_layernorm.weight": torch.ones(d),
+            f"{p}.post_attention_layernorm.weight": torch.ones(d),
+            f"{a}.q_a_proj.weight": normal(r, d),
+            f"{a}.q_a_layernorm.weight": torch.ones(r),
+            f"{a}.q_b_proj.weight": normal(h * (HYV4_QK_NOPE + QK_ROPE), r),
+            f"{a}.kv_a_proj_with_mqa.weight": normal(KV_LORA_RANK + QK_ROPE, d),
+            f"{a}.kv_a_layernorm.weight": torch.ones(KV_LORA_RANK),
+            f"{a}.kv_b_proj.weight": normal(h * (HYV4_QK_NOPE + HYV4_V_HEAD), KV_LORA_RANK),
+            f"{a}.o_proj.weight": normal(d, h * HYV4_V_HEAD),
+            f"{a}.linear_gate.weight": normal(h * HYV4_V_HEAD, d),
+            f"{a}.learnable_sink_param": spec.sink_logit + torch.randn(h, generator=gen),
+        }
+        if types[i] == "full":
+            out |= {
+                f"{a}.indexer.wq_b.weight": normal(n * hd, r),
+                f"{a}.indexer.wk.weight": normal(hd, d),
+                f"{a}.indexer.k_norm.weight": torch.ones(hd),
+                f"{a}.indexer.k_norm.bias": torch.zeros(hd),
+                f"{a}.indexer.weights_proj.weight": normal(n, d),
+            }
+        out |= hyper(f"{p}.hc_attn_layer.hc_pre.hc", 2 * hc, 2)
+        out |= hyper(f"{p}.hc_mlp_layer.hc_pre.hc", 2 * hc, 2)
+        if i == 0:  # dense
+            out |= {
+                f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
+                f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
+                f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
+            }
+        else:
+            out |= {
+                f"{p}.mlp.gate.weight": normal(e, d),
+                f"{p}.mlp.gate.e_score_correction_bias": 0.1 * torch.randn(e, generator=gen),
+                f"{p}.mlp.experts.gate_up_proj": normal(e, 2 * moe, d),
+                f"{p}.mlp.experts.down_proj": normal(e, d, moe),
+                f"{p}.mlp.shared_experts.gate_proj.weight": normal(moe, d),
+                f"{p}.mlp.shared_experts.up_proj.weight": normal(moe, d),
+                f"{p}.mlp.shared_experts.down_proj.weight": normal(d, moe),
+            }
+    out |= hyper("model.hc_head.hc_head", hc, 1)
+    out["model.norm.weight"] = torch.ones(d)
+    out["lm_head.weight"] = normal(vocab, d)
+    return out
 
 
 def _corpus(seed: int, words: int = 20000) -> list[str]:

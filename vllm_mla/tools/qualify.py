@@ -9,47 +9,51 @@ weights, and correct regeneration after the source was released.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from vllm_mla.geometry import MLAGeometry, RankGeometry, from_hf_config, preset
-from vllm_mla.memory import AllocationTrace, Ledger
-from vllm_mla.ops.absorbed_weight import AbsorbedWeight
-from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
-from vllm_mla.weights.absorb import ABSORBED_MODES, DEFAULT_MAX_SCRATCH_BYTES, PAIR
-from vllm_mla.weights.checkpoint import checkpoint_format, load_kv_b_proj
-from vllm_mla.weights.direct import DIRECT_DECODES
-from vllm_mla.weights.forms import FORM_NAMES, FORMS, KVBForm, form
-from vllm_mla.weights.standins import (
+from vllm_mla.memory import AllocationTrace
+from vllm_mla.tools.checkpoint import checkpoint_format, load_kv_b_proj
+from vllm_mla.tools.harness import (
+    Progress,
+    QualifyError,
+    act_dtype,
+    check_absorbed,
+    dense_pair,
+    device_named,
+    ledger_of,
+    load_into,
+    max_abs_err,
+    pair_pointers,
+    plain_progress,
+    synthetic_tensors,
+    upstream_pair,
+)
+from vllm_mla.tools.standins import (
     FormTensors,
     MLALayer,
-    build_kv_b_proj,
     build_layer,
     checkpoint_family,
-    checkpoint_tensors,
     form_tensors,
-    synthetic_weight,
 )
+from vllm_mla.weights import LifecycleConfig, baseline_post_load, post_load
+from vllm_mla.weights.absorb import DEFAULT_MAX_SCRATCH_BYTES
+from vllm_mla.weights.forms import FORM_NAMES, KVBForm, form
 
 SCHEMA = 1
-ACT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MHA_PREFILL_NOTE = "source kept: a dense MHA prefill backend calls kv_b_proj (--mha-prefill)"
 NO_RELEASE_NOTE = "source kept: release disabled (--no-release)"
 ALIAS_NOTE = (
     "pair aliases the dense source, as upstream's does: nothing to reclaim while it is kept"
 )
 
-Progress = Callable[[str, int], Iterator[int]]
 # The form modelled when --weights is not given: what vLLM 0.33 selects by default for
 # each checkpoint family on the GPUs these models are served on (GLM-5 MXFP8 on SM120/SM100:
 # FlashInfer CUTLASS; block FP8 on H100/H200: DeepGEMM).
 DEFAULT_FORM = {"mxfp8": "mxfp8-flashinfer", "fp8-block": "fp8-block-deepgemm"}
-
-
-def plain_progress(label: str, total: int) -> Iterator[int]:
-    return iter(range(total))
 
 
 @dataclass(frozen=True)
@@ -70,21 +74,6 @@ class QualifyConfig:
     seed: int = 0
     max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES
     absorbed: str = "bf16"  # bf16 pair, or direct: MXFP8 views of the pack
-
-
-class QualifyError(ValueError):
-    """A setting qualify cannot run with; the message names it."""
-
-
-def device_named(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise QualifyError("--device cuda: no CUDA device is available to this torch build")
-    if name not in ("cpu", "cuda"):
-        raise QualifyError(f"--device must be auto, cpu or cuda, got {name!r}")
-    return torch.device(name)
 
 
 def _form_for(cfg: QualifyConfig, family: str) -> KVBForm:
@@ -113,26 +102,6 @@ def _sources(
     count = geo.model.num_layers if cfg.layers is None else cfg.layers
     per_layer = [synthetic_tensors(geo, f, cfg.seed, i, act) for i in progress("weights", count)]
     return f, per_layer
-
-
-def synthetic_tensors(
-    geo: RankGeometry, f: KVBForm, seed: int, layer: int, act: torch.dtype
-) -> FormTensors:
-    """Layer ``layer``'s seeded weights as ``f`` holds them (loaded from its checkpoint family)."""
-    weight = synthetic_weight(geo, seed=seed, layer=layer)
-    return form_tensors(checkpoint_tensors(weight, checkpoint_family(f)), f.name, act)
-
-
-def load_into(layer: MLALayer, held: FormTensors, device: torch.device) -> None:
-    """Give ``layer`` new kv_b_proj weights the way vLLM's reload re-creates them: new
-    parameters, a regenerated packed owner, the kernel's new state."""
-    fresh = build_kv_b_proj(held, device)
-    kv_b = layer.kv_b_proj
-    for name, param in fresh._parameters.items():
-        kv_b._parameters[name] = param
-    for name in held.packed:
-        setattr(kv_b, name, getattr(fresh, name))
-    kv_b.quant_method = fresh.quant_method
 
 
 def _drop_cached_blocks(device: torch.device) -> None:
@@ -175,65 +144,6 @@ def _phase(
     }
 
 
-def ledger_of(layers: list[MLALayer]) -> Ledger:
-    """One ledger over ``layers`` (a storage shared by two layers counts once)."""
-    ledger = Ledger()
-    for layer in layers:
-        ledger.add_layer(layer)
-    return ledger
-
-
-def upstream_pair(
-    geo: RankGeometry, held: FormTensors, device: torch.device, act: torch.dtype
-) -> tuple[torch.Tensor, ...]:
-    """The pair upstream's post-load makes from ``held`` on a layer built for it alone."""
-    reference = build_layer(geo, held, device)
-    baseline_post_load(reference, act)
-    return dense_pair(reference)
-
-
-def act_dtype(name: str) -> torch.dtype:
-    """The activation dtype ``name`` (``--dtype``); QualifyError for another name."""
-    if name not in ACT_DTYPES:
-        raise QualifyError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {name!r}")
-    return ACT_DTYPES[name]
-
-
-def check_absorbed(absorbed: str, f: KVBForm) -> None:
-    """QualifyError unless ``absorbed`` (``--absorbed``) is a mode that can serve ``f``."""
-    if absorbed not in ABSORBED_MODES:
-        raise QualifyError(
-            f"--absorbed must be one of {', '.join(ABSORBED_MODES)}, got {absorbed!r}"
-        )
-    if absorbed == "direct" and f.decode not in DIRECT_DECODES:
-        raise QualifyError(
-            f"--absorbed direct serves an MXFP8 pack ({', '.join(direct_forms())}); "
-            f"--weights {f.name} is not one"
-        )
-
-
-def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-
-
-def dense_pair(layer: MLALayer) -> tuple[torch.Tensor, ...]:
-    """The pair's values as plain tensors (direct mode: decoded from the views)."""
-    return tuple(_dense(getattr(layer, n)) for n in PAIR)
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t.dense_values() if isinstance(t, AbsorbedWeight) else t
-
-
-def pair_pointers(layer: MLALayer) -> list[int]:
-    """Addresses of what the pair holds (a routed weight: the tensors it wraps)."""
-    held = []
-    for name in PAIR:
-        t = getattr(layer, name)
-        held += t.inner_tensors() if isinstance(t, AbsorbedWeight) else [t]
-    return [t.data_ptr() for t in held]
-
-
 def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, progress) -> dict:
     """Give every lean layer new weights the way a reload does; pointers must not move."""
     stable = correct = True
@@ -249,14 +159,43 @@ def _reload_check(lean: list[MLALayer], geo, f, cfg, lifecycle, act, device, pro
     return {"stable": stable, "correct": correct}
 
 
-def direct_forms() -> list[str]:
-    """The ``--weights`` forms ``--absorbed direct`` serves."""
-    return [f.name for f in FORMS if f.decode in DIRECT_DECODES]
-
-
 def model_geometry(cfg: QualifyConfig) -> MLAGeometry:
     """The preset, or the geometry of ``cfg.model``'s config.json."""
     return from_hf_config(cfg.model) if cfg.model else preset(cfg.preset)
+
+
+def _parity(lean: list[MLALayer], reference: list[tuple]) -> tuple[float, bool]:
+    """(max |ours - upstream's|, bit-identical) over every layer's pair."""
+    parity, bit_identical = 0.0, True
+    for layer, ref in zip(lean, reference, strict=True):
+        for ours, theirs in zip(dense_pair(layer), ref, strict=True):
+            ours = ours.cpu()
+            parity = max(parity, max_abs_err(ours, theirs))
+            bit_identical &= torch.equal(ours, theirs)
+    return parity, bit_identical
+
+
+def _notes(cfg: QualifyConfig, action: str) -> list[str]:
+    notes = []
+    if cfg.mha_prefill:
+        notes.append(MHA_PREFILL_NOTE)
+    elif not cfg.release:
+        notes.append(NO_RELEASE_NOTE)
+    if action == "aliased":
+        notes.append(ALIAS_NOTE)
+    return notes
+
+
+def _form_record(f: KVBForm) -> dict:
+    return {
+        "name": f.name,
+        "family": f.family,
+        "vllm": f.selected,
+        "left_on_kv_b_proj": f.tensors,
+        "decode": f.decode,
+        "upstream": f.upstream,
+        "scratch_bounded": f.bounded,
+    }
 
 
 def run_qualify(
@@ -305,25 +244,13 @@ def run_qualify(
         "lean",
         timelines,
     )
-    parity, bit_identical = 0.0, True
-    for layer, ref in zip(lean_layers, reference, strict=True):
-        for ours, theirs in zip(dense_pair(layer), ref, strict=True):
-            ours = ours.cpu()
-            parity = max(parity, _max_abs_err(ours, theirs))
-            bit_identical &= torch.equal(ours, theirs)
+    parity, bit_identical = _parity(lean_layers, reference)
     idempotent = all(post_load(lay, act, lifecycle).action == "noop" for lay in lean_layers)
     del reference
     released = lifecycle.release_source and lean["source_bytes"] == 0
     reload = _reload_check(lean_layers, geo, f, cfg, lifecycle, act, device, progress)
 
-    notes = []
-    if cfg.mha_prefill:
-        notes.append(MHA_PREFILL_NOTE)
-    elif not cfg.release:
-        notes.append(NO_RELEASE_NOTE)
     plan = reports[0].plan
-    if reports[0].action == "aliased":
-        notes.append(ALIAS_NOTE)
     return {
         "schema": SCHEMA,
         "preset": geo.model.name,
@@ -335,15 +262,7 @@ def run_qualify(
         "layers": len(per_layer),
         "weights": f.name,
         "absorbed": cfg.absorbed,
-        "form": {
-            "name": f.name,
-            "family": f.family,
-            "vllm": f.selected,
-            "left_on_kv_b_proj": f.tensors,
-            "decode": f.decode,
-            "upstream": f.upstream,
-            "scratch_bounded": f.bounded,
-        },
+        "form": _form_record(f),
         "device": str(device),
         "source": cfg.checkpoint or f"synthetic(seed={cfg.seed})",
         "baseline": baseline,
@@ -363,7 +282,7 @@ def run_qualify(
             "postload_idempotent": idempotent,
         },
         "release_requested": lifecycle.release_source,
-        "notes": notes,
+        "notes": _notes(cfg, reports[0].action),
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
 

@@ -1,4 +1,5 @@
-"""MLA decode query projection: ``out = [q_nope @ W_UK_T | q_pe]``, optionally FP8.
+"""MLA decode query projection ``out = [q_nope @ W_UK_T | q_pe]``, optionally FP8: the
+public API and its contract.
 
 Contract:
 
@@ -14,7 +15,7 @@ Contract:
   within one BF16 ulp before quantization (summation order differs).
 - ``can_fuse_query_projection`` admits H 1..128, P in {128, 192}, L = 512, R = 64,
   M 1..64 on CUDA with Triton; anything else runs the staged path.
-- ``prewarm`` compiles every graph-visible M before CUDA-graph capture; a compile
+- ``prewarm_query_projection`` compiles every graph-visible M before CUDA-graph capture; a compile
   requested during capture raises ``QueryProjectionNotPrewarmed`` instead of stalling.
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_mla import envs
-from vllm_mla.formats import E4M3_MAX, LATENT, ROPE
+from vllm_mla.formats import LATENT, ROPE
 from vllm_mla.ops import overlap
 from vllm_mla.ops.base import TRITON_AVAILABLE, KernelNotPrewarmed, MXFP8Weight
 from vllm_mla.quant import mxfp8
@@ -43,7 +44,7 @@ Weight = torch.Tensor | MXFP8Weight | tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class _Args:
+class Args:
     """Validated call: sizes and the normalised weight."""
 
     m: int
@@ -75,7 +76,8 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], dims: i
     )
 
 
-def _validate(q_nope, weight, q_pe, out, q_scale) -> _Args:
+def validate(q_nope, weight, q_pe, out, q_scale) -> Args:
+    """The call checked against the contract (an error names the argument at fault)."""
     _check_tensor("q_nope", q_nope, (torch.bfloat16,), 3)
     _check_tensor("q_pe", q_pe, (torch.bfloat16,), 3)
     _check_tensor("out", out, OUT_DTYPES, 3)
@@ -138,7 +140,7 @@ def _validate(q_nope, weight, q_pe, out, q_scale) -> _Args:
     # The fused kernel writes the latent part before it reads q_pe: no in-place call.
     problem = overlap.out_problem(out, inputs)
     _need(problem is None, ValueError, problem)
-    return _Args(m, h, p, latent, rope, weight, fp8_out)
+    return Args(m, h, p, latent, rope, weight, fp8_out)
 
 
 def can_fuse_query_projection(
@@ -170,33 +172,6 @@ def can_fuse_query_projection(
     )
 
 
-def _bf16_weight(weight: torch.Tensor | MXFP8Weight) -> torch.Tensor:
-    if isinstance(weight, MXFP8Weight):
-        return mxfp8.dequantize(mxfp8.MXFP8Tensor(weight.values, weight.scales, 2), torch.bfloat16)
-    return weight
-
-
-def _staged(args: _Args, q_nope, q_pe, out, q_scale) -> torch.Tensor:
-    latent = torch.bmm(q_nope.transpose(0, 1), _bf16_weight(args.weight)).transpose(0, 1)
-    full = torch.cat([latent, q_pe], dim=-1)
-    if args.fp8_out:
-        full = (full.float() / q_scale.reshape(())).clamp(-E4M3_MAX, E4M3_MAX)
-    out.copy_(full)
-    return out
-
-
-def staged_query_projection(
-    q_nope: torch.Tensor,
-    weight: Weight,
-    q_pe: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    q_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The reference: bmm (bf16 result) -> cat q_pe -> optional FP8 quant, written into out."""
-    return _staged(_validate(q_nope, weight, q_pe, out, q_scale), q_nope, q_pe, out, q_scale)
-
-
 def mla_query_projection(
     q_nope: torch.Tensor,
     weight: Weight,
@@ -210,47 +185,14 @@ def mla_query_projection(
     Runs as the custom op ``torch.ops.vllm_mla.mla_query_projection`` (fake impl
     registered), so torch.compile and CUDA graphs see one opaque op.
     """
-    args = _validate(q_nope, weight, q_pe, out, q_scale)
+    args = validate(q_nope, weight, q_pe, out, q_scale)
     w = args.weight
     values, scales = (w.values, w.scales) if isinstance(w, MXFP8Weight) else (w, None)
     torch.ops.vllm_mla.mla_query_projection(q_nope, values, scales, q_pe, out, q_scale)
     return out
 
 
-@torch.library.custom_op("vllm_mla::mla_query_projection", mutates_args=("out",))
-def _projection_op(
-    q_nope: torch.Tensor,
-    w_values: torch.Tensor,
-    w_scales: torch.Tensor | None,
-    q_pe: torch.Tensor,
-    out: torch.Tensor,
-    q_scale: torch.Tensor | None,
-) -> None:
-    weight = w_values if w_scales is None else MXFP8Weight(w_values, w_scales)
-    args = _validate(q_nope, weight, q_pe, out, q_scale)
-    fuse = can_fuse_query_projection(
-        num_heads=args.h,
-        max_m=args.m,
-        nope_dim=args.p,
-        latent_dim=args.latent,
-        out_dtype=out.dtype,
-        weight_format=args.weight_format,
-        device=q_nope.device,
-    )
-    if not fuse or args.rope != FUSED_ROPE:
-        _staged(args, q_nope, q_pe, out, q_scale)
-        return
-    from vllm_mla.ops.triton import launch
-
-    launch.fused_query_projection(args, q_nope, q_pe, out, q_scale)
-
-
-@_projection_op.register_fake
-def _(q_nope, w_values, w_scales, q_pe, out, q_scale) -> None:
-    return None
-
-
-def prewarm(
+def prewarm_query_projection(
     m_values: list[int] | range,
     *,
     num_heads: int,

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vllm_mla.geometry import preset
-from vllm_mla.qualify import (
+from vllm_mla.tools.harness import (
     QualifyError,
     act_dtype,
     check_absorbed,
@@ -38,9 +38,9 @@ from vllm_mla.qualify import (
     synthetic_tensors,
     upstream_pair,
 )
+from vllm_mla.tools.standins import MLALayer, build_layer
 from vllm_mla.weights import LifecycleConfig, post_load
 from vllm_mla.weights.forms import FORM_NAMES, form
-from vllm_mla.weights.standins import MLALayer, build_layer
 
 Progress = Callable[[str, int], Iterator[int]]
 MAX_RECORDED = 5  # failures kept with their details; the counts cover every cycle
@@ -138,78 +138,92 @@ class _Replay:
         return not torch.equal(self.out, self._read())
 
 
+class _Soak:
+    """One soak: the layers after their first post-load, what every cycle must reproduce
+    (pair addresses, values of a fresh build, ledger, device bytes) and the report."""
+
+    def __init__(self, cfg: SoakConfig) -> None:
+        self.cfg = cfg
+        self.device = device = device_named(cfg.device)
+        self.act = act = act_dtype(cfg.dtype)
+        geo = preset(cfg.preset).shard(cfg.tp, 0)
+        f = form(cfg.weights)
+        self.lifecycle = LifecycleConfig(
+            release_source=cfg.release,
+            dense_mha_prefill=False,
+            max_scratch_bytes=cfg.max_scratch_bytes,
+            absorbed=cfg.absorbed,
+        )
+        self.sets = [
+            [synthetic_tensors(geo, f, cfg.seed + k, i, act) for i in range(cfg.layers)]
+            for k in range(cfg.pool)
+        ]
+        self.expected = [[upstream_pair(geo, w, device, act) for w in ws] for ws in self.sets]
+        self.layers = [build_layer(geo, held, device) for held in self.sets[0]]
+        for layer in self.layers:
+            post_load(layer, act, self.lifecycle)
+        self.pointers = [pair_pointers(layer) for layer in self.layers]
+        self.owners = _ledger(self.layers)
+        self.cuda = device.type == "cuda"
+        self.replay = _Replay(self.layers) if self.cuda and cfg.replay else None
+        if self.cuda:
+            torch.cuda.synchronize(device)
+        self.allocated = torch.cuda.memory_allocated(device) if self.cuda else None
+        self.report = SoakReport(
+            cfg.cycles,
+            cfg.layers,
+            f.name,
+            str(device),
+            allocated_growth_bytes=0 if self.cuda else None,
+            replay_mismatches=0 if self.replay else None,
+            resident_bytes=sum(self.owners.values()),
+        )
+
+    def fail(self, cycle: int, what: str) -> None:
+        if len(self.report.failures) < MAX_RECORDED:
+            self.report.failures.append(f"cycle {cycle}: {what}")
+
+    def reload(self, cycle: int) -> None:
+        """Every layer gets weight set ``cycle % pool`` as vLLM's reload gives it."""
+        k = cycle % self.cfg.pool
+        for i, layer in enumerate(self.layers):
+            load_into(layer, self.sets[k][i], self.device)
+            post_load(layer, self.act, self.lifecycle)
+            if pair_pointers(layer) != self.pointers[i]:
+                self.report.pointer_moves += 1
+                self.fail(cycle, f"layer {i}: pair addresses moved")
+            pairs = zip(dense_pair(layer), self.expected[k][i], strict=True)
+            if not all(torch.equal(a, b) for a, b in pairs):
+                self.report.value_mismatches += 1
+                self.fail(cycle, f"layer {i}: pair differs from a fresh build of weight set {k}")
+
+    def check_memory(self, cycle: int) -> None:
+        """The ledger equals the first post-load's; device bytes and graph replay hold."""
+        now = _ledger(self.layers)
+        if now != self.owners:
+            growth = sum(max(0, now[o] - self.owners[o]) for o in self.owners)
+            self.report.ledger_growth_bytes = max(self.report.ledger_growth_bytes, growth)
+            self.fail(cycle, f"ledger {now} != first post-load's {self.owners}")
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            extra = torch.cuda.memory_allocated(self.device) - self.allocated
+            if extra > self.report.allocated_growth_bytes:
+                self.report.allocated_growth_bytes = extra
+                self.fail(cycle, f"allocated bytes grew by {extra}")
+        if self.replay is not None and self.replay.mismatch():
+            self.report.replay_mismatches += 1
+            self.fail(cycle, "graph replay read a pair different from the eager one")
+
+
 def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakReport:
     """Run ``cfg.cycles`` reload cycles; every check counted over every cycle and layer."""
     started = time.perf_counter()
     _check(cfg)
-    device = device_named(cfg.device)
-    act = act_dtype(cfg.dtype)
-    geo = preset(cfg.preset).shard(cfg.tp, 0)
-    f = form(cfg.weights)
-    lifecycle = LifecycleConfig(
-        release_source=cfg.release,
-        dense_mha_prefill=False,
-        max_scratch_bytes=cfg.max_scratch_bytes,
-        absorbed=cfg.absorbed,
-    )
-    sets = [
-        [synthetic_tensors(geo, f, cfg.seed + k, i, act) for i in range(cfg.layers)]
-        for k in range(cfg.pool)
-    ]
-    expected = [[upstream_pair(geo, held, device, act) for held in weights] for weights in sets]
-    layers = [build_layer(geo, held, device) for held in sets[0]]
-    for layer in layers:
-        post_load(layer, act, lifecycle)
-    pointers = [pair_pointers(layer) for layer in layers]
-    owners = _ledger(layers)
-    cuda = device.type == "cuda"
-    replay = _Replay(layers) if cuda and cfg.replay else None
-    if cuda:
-        torch.cuda.synchronize(device)
-    allocated = torch.cuda.memory_allocated(device) if cuda else None
-    report = SoakReport(
-        cfg.cycles,
-        cfg.layers,
-        f.name,
-        str(device),
-        allocated_growth_bytes=0 if cuda else None,
-        replay_mismatches=0 if replay else None,
-        resident_bytes=sum(owners.values()),
-    )
-
-    def fail(cycle: int, what: str) -> None:
-        if len(report.failures) < MAX_RECORDED:
-            report.failures.append(f"cycle {cycle}: {what}")
-
+    soak = _Soak(cfg)
     cycles = progress("soak", cfg.cycles) if progress else iter(range(cfg.cycles))
     for c in cycles:
         cycle = c + 1  # cycle 0 is the first post-load
-        k = cycle % cfg.pool
-        for i, layer in enumerate(layers):
-            load_into(layer, sets[k][i], device)
-            post_load(layer, act, lifecycle)
-            if pair_pointers(layer) != pointers[i]:
-                report.pointer_moves += 1
-                fail(cycle, f"layer {i}: pair addresses moved")
-            same = all(
-                torch.equal(a, b) for a, b in zip(dense_pair(layer), expected[k][i], strict=True)
-            )
-            if not same:
-                report.value_mismatches += 1
-                fail(cycle, f"layer {i}: pair differs from a fresh build of weight set {k}")
-        now = _ledger(layers)
-        growth = sum(max(0, now[o] - owners[o]) for o in owners)
-        if now != owners:
-            report.ledger_growth_bytes = max(report.ledger_growth_bytes, growth)
-            fail(cycle, f"ledger {now} != first post-load's {owners}")
-        if cuda:
-            torch.cuda.synchronize(device)
-            extra = torch.cuda.memory_allocated(device) - allocated
-            if extra > report.allocated_growth_bytes:
-                report.allocated_growth_bytes = extra
-                fail(cycle, f"allocated bytes grew by {extra}")
-        if replay is not None and replay.mismatch():
-            report.replay_mismatches += 1
-            fail(cycle, "graph replay read a pair different from the eager one")
-    report.elapsed_s = round(time.perf_counter() - started, 3)
-    return report
+        soak.reload(cycle)
+        soak.check_memory(cycle)
+    soak.report.elapsed_s = round(time.perf_counter() - started, 3)
+    return soak.report

@@ -16,8 +16,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_mla import envs
 from vllm_mla.formats import E4M3_MAX
-from vllm_mla.ops.triton.bits import f32_to_e4m3, round_to_bf16
+from vllm_mla.ops.base import MXFP8Weight
+from vllm_mla.ops.capture import check_compiled, record_compiled
+from vllm_mla.ops.triton_bits import f32_to_e4m3, round_to_bf16
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
@@ -101,3 +104,69 @@ def mla_query_projection_kernel(
         pe = tl.load(pe_ptr + rows[:, None] * s_pm + h * s_ph + cols[None, :], mask=row_ok)
         out = _to_output(pe, q_scale, FP8_OUT, INTERPRET)
         tl.store(out_ptr + rows[:, None] * s_om + h * s_oh + L + cols[None, :], out, mask=row_ok)
+
+
+BLOCK_K = 64
+
+
+def tiles(m: int, latent: int, interpret: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_L): tl.dot needs >= 16 rows; the interpreter prefers few programs."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_l = latent if interpret else 64
+    return block_m, block_l
+
+
+def launch(args, q_nope, q_pe, out, q_scale) -> None:
+    """Launch the kernel on validated, gated arguments (``api.Args``; ``dispatch`` gates)."""
+    interpret = envs.triton_interpret()
+    block_m, block_l = tiles(args.m, args.latent, interpret)
+    mx = isinstance(args.weight, MXFP8Weight)
+    values = args.weight.values if mx else args.weight
+    scales = args.weight.scales if mx else values  # unused when not MXFP8
+    scale = q_scale if args.fp8_out else q_nope  # unused without FP8 output
+    pointers = (q_nope, values, scales, q_pe, out, scale)
+    key = (
+        q_nope.device,
+        out.dtype,
+        mx,
+        args.p,
+        block_m,
+        tuple(t.data_ptr() % 16 == 0 for t in pointers),
+    )
+    check_compiled(
+        key,
+        q_nope.device,
+        f"fused query projection variant (M bucket {block_m}, P={args.p}, "
+        f"{'mxfp8' if mx else 'bf16'} weight, out {out.dtype})",
+    )
+    grid = (args.h, args.latent // block_l + 1)
+    mla_query_projection_kernel[grid](
+        q_nope,
+        values,
+        scales,
+        q_pe,
+        out,
+        scale,
+        args.m,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        values.stride(0),
+        values.stride(1),
+        scales.stride(0),
+        scales.stride(1) if mx else 0,
+        q_pe.stride(0),
+        q_pe.stride(1),
+        out.stride(0),
+        out.stride(1),
+        P=args.p,
+        L=args.latent,
+        R=args.rope,
+        BLOCK_M=block_m,
+        BLOCK_K=BLOCK_K,
+        BLOCK_L=block_l,
+        MXFP8=mx,
+        FP8_OUT=args.fp8_out,
+        INTERPRET=interpret,
+        num_warps=4,
+    )
+    record_compiled(key)

@@ -1,4 +1,5 @@
-"""``safe_mla_query_bmm``: ``out[h] = query[h] @ weight[h]`` without reading outside the views.
+"""``safe_mla_query_bmm``: ``out[h] = query[h] @ weight[h]`` without reading outside the
+views; the public API and its contract.
 
 Shapes ``query [H, T, Q] x weight [H, Q, L] -> out [H, T, L]``, all bfloat16; only the last
 dim of each operand must be contiguous (the decode query is the strided view
@@ -14,99 +15,11 @@ The op is ``torch.ops.vllm_mla.safe_mla_query_bmm`` on every machine, with a fak
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
-
 import torch
 
 from vllm_mla.ops import overlap
 
-logger = logging.getLogger("vllm_mla")
-
-_NS, _NAME = "vllm_mla", "safe_mla_query_bmm"
-_QUALNAME = f"{_NS}::{_NAME}"
-# Must match the schema csrc/query_bmm.cu defines.
-_SCHEMA = f"{_NAME}(Tensor query, Tensor weight, Tensor(a!) out) -> ()"
 _LAYOUT = {"query": "[H, T, Q]", "weight": "[H, Q, L]", "out": "[H, T, L]"}
-
-
-def _load_extension() -> str | None:
-    """Load ``vllm_mla._C`` (registers the CUDA op); returns why not, or None when loaded."""
-    try:
-        spec = importlib.util.find_spec("vllm_mla._C")
-        if spec is None or spec.origin is None:
-            return (
-                "vllm_mla._C is not built (it builds with `pip install --no-build-isolation -e .` "
-                "where torch has CUDA and nvcc is found)"
-            )
-        # A stable-ABI library without a Python module init: loaded like any torch op library.
-        torch.ops.load_library(spec.origin)
-    except Exception as exc:  # a CPU-only torch cannot load the CUDA build; never fail the import
-        return f"vllm_mla._C could not be loaded: {type(exc).__name__}: {exc}"
-    return None
-
-
-_load_error = _load_extension()
-_cpp_op = hasattr(getattr(torch.ops, _NS), _NAME)
-
-
-def cuda_op_available() -> bool:
-    """True when the compiled CUDA kernel is registered (CUDA calls never copy the query)."""
-    return _cpp_op
-
-
-def cuda_op_error() -> str | None:
-    """Why the compiled CUDA op is not available, or None when it is."""
-    return None if _cpp_op else _load_error
-
-
-# ---------------------------------------------------------------------------------------------
-# Operator registration. The C++ library, when loaded, already defined the schema and the CUDA
-# kernel (and names this module as the home of the fake impl, which is registered from here).
-
-_lib = torch.library.Library(_NS, "FRAGMENT")  # keeps the registrations below alive
-
-
-def _bmm_into(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(torch.bmm(query, weight))
-
-
-@functools.cache
-def _is_sm12x(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 12
-
-
-@functools.cache
-def _log_copy_path_once() -> None:
-    logger.warning(
-        "safe_mla_query_bmm: the CUDA op is not built (%s); on SM12x it runs torch.bmm on a "
-        "contiguous copy of the query (safe, one extra copy per call)",
-        _load_error,
-    )
-
-
-def _cuda_fallback(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    if _is_sm12x(query.device.index):
-        _log_copy_path_once()
-        # cuBLAS on SM12x over-reads strided operands; contiguous ones are safe.
-        query, weight = query.contiguous(), weight.contiguous()
-    _bmm_into(query, weight, out)
-
-
-if not _cpp_op:
-    _lib.define(_SCHEMA)
-    _lib.impl(_NAME, _cuda_fallback, "CUDA")
-_lib.impl(_NAME, _bmm_into, "CPU")
-
-
-@torch.library.register_fake(_QUALNAME, lib=_lib)
-def _fake(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    return None  # mutates out in place; no new tensor
-
-
-# ---------------------------------------------------------------------------------------------
-# Public entry point.
 
 
 def _validate(query: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:

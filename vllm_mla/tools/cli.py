@@ -7,6 +7,7 @@ could not run (bad preset, TP, device, checkpoint...), with a one-line error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -17,19 +18,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vllm_mla.geometry import PRESETS, GeometryError
-from vllm_mla.plot import PlotError, check_plot, write_plot
-from vllm_mla.qualify import (
+from vllm_mla.tools.checkpoint import CheckpointError
+from vllm_mla.tools.plot import PlotError, check_plot, write_plot
+from vllm_mla.tools.qualify import (
     QualifyConfig,
     QualifyError,
     failed_checks,
     plain_progress,
     run_qualify,
 )
-from vllm_mla.soak import SoakConfig, run_soak
-from vllm_mla.tinymodel import EXACT_GRIDS, KV_B_FORMATS, MakeModelError, TinyModelSpec, make_model
+from vllm_mla.tools.soak import SoakConfig, run_soak
+from vllm_mla.tools.standins import WEIGHT_FORMATS
+from vllm_mla.tools.tinymodel import (
+    ARCHS,
+    EXACT_GRIDS,
+    KV_B_FORMATS,
+    MakeModelError,
+    TinyModelSpec,
+    make_model,
+)
 from vllm_mla.weights import LifecycleError, SourceError
-from vllm_mla.weights.checkpoint import CheckpointError
-from vllm_mla.weights.standins import WEIGHT_FORMATS
 
 MIB = 1 << 20
 USAGE_ERRORS = (
@@ -123,6 +131,25 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="with --sparse: multi-token-prediction layers for speculative decoding (default 0)",
+    )
+    m.add_argument(
+        "--arch",
+        default="deepseek",
+        choices=ARCHS,
+        help="deepseek (default: DeepSeek-V2, or V3.2 with --sparse) or hy-v4 (HY-V4: DSA with "
+        "shared indexers, a learnable attention sink, iHC, gated MLA, MoE; --q-lora-rank, "
+        "--index-topk and --index-heads apply)",
+    )
+    m.add_argument("--experts", type=int, default=4, help="with --arch hy-v4 (default 4)")
+    m.add_argument("--experts-per-tok", type=int, default=2, help="with --arch hy-v4 (default 2)")
+    m.add_argument(
+        "--hc-mult", type=int, default=4, help="with --arch hy-v4: iHC streams (default 4)"
+    )
+    m.add_argument(
+        "--sink-logit",
+        type=float,
+        default=2.0,
+        help="with --arch hy-v4: mean of the per-head attention-sink logits, std 1 (default 2)",
     )
     _soak_parser(sub)
     return parser
@@ -218,21 +245,18 @@ def _chunk(report: dict) -> str:
     return f"{report['heads_per_chunk']} heads"
 
 
+def _from_args(cls: type, args: argparse.Namespace, **extra: object) -> object:
+    """``cls`` (a config dataclass) from the parsed options of its fields' names; ``extra``
+    for the fields whose option says it another way (``--no-release``)."""
+    names = {f.name for f in dataclasses.fields(cls)} - extra.keys()
+    return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)}, **extra)
+
+
 def _qualify(args: argparse.Namespace) -> int:
-    cfg = QualifyConfig(
-        preset=args.preset,
-        model=args.model,
-        dtype=args.dtype,
-        tp=args.tp,
-        rank=args.rank,
-        weights=args.weights,
-        layers=args.layers,
-        device=args.device,
-        checkpoint=args.checkpoint,
+    cfg = _from_args(
+        QualifyConfig,
+        args,
         release=not args.no_release,
-        mha_prefill=args.mha_prefill,
-        absorbed=args.absorbed,
-        seed=args.seed,
         max_scratch_bytes=int(args.max_scratch_mib * MIB),
     )
     plot = check_plot(args.plot) if args.plot else None  # fail before the long run
@@ -253,43 +277,18 @@ def _qualify(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    spec = TinyModelSpec(
-        layers=args.layers,
-        heads=args.heads,
-        hidden=args.hidden,
-        vocab=args.vocab,
-        seed=args.seed,
-        init_std=args.init_std,
-        kv_b_format=args.kv_b_format,
-        kv_b_exact=args.kv_b_exact,
-        sparse=args.sparse,
-        q_lora_rank=args.q_lora_rank,
-        index_topk=args.index_topk,
-        mtp_layers=args.mtp_layers,
-        index_heads=args.index_heads,
-    )
+    spec = _from_args(TinyModelSpec, args)
     folder = make_model(args.path, spec)
     size = sum(f.stat().st_size for f in folder.iterdir())
-    kind = f", DSA top-{spec.index_topk} of {spec.index_heads} index heads" if spec.sparse else ""
+    kind = f", DSA top-{spec.index_topk} of {spec.index_heads} index heads" if spec.dsa else ""
+    if spec.arch == "hy-v4":
+        kind = f", HY-V4{kind}, {spec.experts} experts, attention sink"
     print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads{kind}")
     return 0
 
 
 def _soak(args: argparse.Namespace) -> int:
-    cfg = SoakConfig(
-        cycles=args.cycles,
-        preset=args.preset,
-        tp=args.tp,
-        layers=args.layers,
-        weights=args.weights,
-        device=args.device,
-        dtype=args.dtype,
-        release=not args.no_release,
-        absorbed=args.absorbed,
-        pool=args.pool,
-        seed=args.seed,
-        replay=not args.no_replay,
-    )
+    cfg = _from_args(SoakConfig, args, release=not args.no_release, replay=not args.no_replay)
     err = Console(stderr=True)
     progress = None if args.json or not err.is_terminal else _bar(err, "cycles")
     report = run_soak(cfg, progress)

@@ -1,1 +1,0 @@
-"""Triton kernels; imported only where Triton is installed."""
