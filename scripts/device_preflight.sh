@@ -149,10 +149,10 @@ for mod in pkgutil.walk_packages(vllm_mla.__path__, "vllm_mla."):
     except Exception as exc:
         failed.append(f"{mod.name}: {type(exc).__name__}: {exc}")
 print(f"{count} modules imported; {len(skipped)} skipped (need vLLM): {', '.join(skipped)}")
-from vllm_mla.ops import query_bmm, query_projection
+from vllm_mla.ops import base, query_bmm
 from vllm_mla.ops.sparse_mla import dispatch
 
-print("TRITON_AVAILABLE", query_projection.TRITON_AVAILABLE, dispatch.TRITON_AVAILABLE)
+print("TRITON_AVAILABLE", base.TRITON_AVAILABLE, dispatch.TRITON_AVAILABLE)
 print("cuda_op_available", query_bmm.cuda_op_available(), "-", query_bmm.cuda_op_error())
 for line in failed:
     print("FAILED", line)

