@@ -105,9 +105,10 @@ def test_every_context_fits_in_top_k(prompt_ids):
 # within that noise of an e4m3 rounding boundary can round to its other neighbour (one
 # e4m3 step, 2**-3 relative) on one side; what one such flip does to the log-probabilities
 # is a property of the model (tests_e2e/flip_effect.py measures it for the DSA model: 2e-2).
-# This model's iHC streams, gates and experts amplify a flip more: one flip seen in a CI
-# run moved a top-5 entry by 2.65e-2 (greedy tokens identical, median 1e-4); 5e-2 is that
-# effect with a 2x margin. Not yet from forced flips (flip_effect.py does not drive HY-V4).
+# This model's iHC streams, gates and experts amplify a flip more: one flip seen with
+# AVX2 forced (vLLM CPU's _C_AVX2) moved a top-5 entry by 2.65e-2 (greedy tokens
+# identical); 5e-2 is that effect with a 2x margin. Not yet from forced flips
+# (flip_effect.py does not drive HY-V4).
 HYV4_FP8_LOGPROB_TOL = 5e-2
 
 
