@@ -39,6 +39,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from vllm_mla.formats import ROPE
 from vllm_mla.ops.absorbed_matmul import kernel as bmm_kernel
 from vllm_mla.ops.absorbed_matmul.kernel import absorbed_bmm_kernel
 from vllm_mla.ops.query_projection import kernel as qp_kernel
@@ -196,6 +197,7 @@ def sparse_mla_cases(arch: int) -> list[dict]:
                     LOGICAL=True,
                     DCP=False,
                     SINK=direct,  # the sink is folded into the direct epilogue only
+                    ROPE=ROPE,  # the DSA geometry (rope 0 compiles in tests/test_sparse_mla.py)
                     BLOCK_H=bh,
                     BLOCK_K=sk.BLOCK_K,
                     INTERPRET=False,
