@@ -641,3 +641,42 @@ def test_a_decode_step_allocates_nothing_in_the_impl(cpu_session, monkeypatch):
         assert [a.size for a in trace.allocations()] == [tokens * TOPK * 4]
     finally:
         workspace.reset_workspace_manager()
+
+
+def record_launches(monkeypatch) -> list[dict]:
+    """Our two Triton kernels stubbed (our launch Python runs): every launch is appended as
+    {argument name: value} (runtime arguments in order, then the constexprs); impl='triton'
+    is accepted for CPU tensors."""
+    import inspect
+
+    from vllm_mla import envs
+    from vllm_mla.ops.sparse_mla import triton_kernels
+
+    launches = []
+
+    class Recorder:  # stands in for a @triton.jit kernel: kernel[grid](*args, **kw)
+        def __init__(self, fn):
+            self.names = list(inspect.signature(fn.fn).parameters)
+
+        def __getitem__(self, grid):  # positional: the runtime arguments, in order
+            named = lambda args: dict(zip(self.names, args, strict=False))  # noqa: E731
+            return lambda *args, **kw: launches.append({**named(args), **kw})
+
+    for name in ("_sparse_mla_split_kernel", "_sparse_mla_combine_kernel"):
+        monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name)))
+    monkeypatch.setattr(envs, "triton_interpret", lambda: True)
+    return launches
+
+
+def one_decode_token(impl, width: int) -> SimpleNamespace:
+    """``impl``'s top-k buffer selecting logical rows 0 and 1 for one decode token of
+    request 0 (page 0), and the metadata of that step."""
+    logical = torch.full((8, width), -1, dtype=torch.int32)
+    logical[0, :2] = torch.tensor([0, 1])
+    impl.topk_indices_buffer = logical
+    return SimpleNamespace(
+        req_id_per_token=torch.zeros(1, dtype=torch.int32),
+        block_table=torch.tensor([[0]], dtype=torch.int32),
+        block_size=BLOCK,
+        num_decode_tokens=1,
+    )

@@ -10,12 +10,18 @@ bf16 records 512 wide; its shared top-k buffer is ``round_up(index_topk + index_
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_sparse_backend import BLOCK, builder_config, cpu_session, validate  # noqa: F401
+from test_sparse_backend import (  # noqa: F401
+    BLOCK,
+    builder_config,
+    cpu_session,
+    one_decode_token,
+    record_launches,
+    validate,
+)
 from test_sparse_refusals import current, glm_5_3_flash, mla_attention  # noqa: F401
 
 from vllm_mla.formats import LATENT
@@ -106,35 +112,12 @@ def test_forward_through_vllms_layer_matches_a_float64_hand_computation(
 def test_the_triton_plan_launches_rope_0(current, cpu_session, monkeypatch):  # noqa: F811
     """The GPU's plan (Triton, logical top-k mapped in the kernel), kernel objects stubbed:
     the split kernel gets ``ROPE=0`` and never q_pe's (empty) storage."""
-    from vllm_mla import envs
-    from vllm_mla.ops.sparse_mla import triton_kernels
-
-    launches = []
-
-    class Recorder:  # stands in for a @triton.jit kernel: kernel[grid](*args, **kw)
-        def __init__(self, fn):
-            self.names = list(inspect.signature(fn.fn).parameters)
-
-        def __getitem__(self, grid):
-            named = lambda args: dict(zip(self.names, args, strict=False))  # noqa: E731
-            return lambda *args, **kw: launches.append({**named(args), **kw})
-
-    for name in ("_sparse_mla_split_kernel", "_sparse_mla_combine_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name)))
-    monkeypatch.setattr(envs, "triton_interpret", lambda: True)  # impl='triton' on CPU
+    launches = record_launches(monkeypatch)
     layer, width = flash_layer(current, monkeypatch)
     impl = layer.impl
     impl._bind_plan(torch.device("cpu"))
     impl.plan = impl.session.plan(impl.caps, impl="triton")
-    logical = torch.full((8, width), -1, dtype=torch.int32)
-    logical[0, :2] = torch.tensor([0, 1])
-    impl.topk_indices_buffer = logical
-    metadata = SimpleNamespace(
-        req_id_per_token=torch.zeros(1, dtype=torch.int32),
-        block_table=torch.tensor([[0]], dtype=torch.int32),
-        block_size=BLOCK,
-        num_decode_tokens=1,
-    )
+    metadata = one_decode_token(impl, width)
     q = torch.zeros(1, H, LATENT, dtype=torch.bfloat16)
     cache = torch.zeros(1, BLOCK, LATENT, dtype=torch.bfloat16)
     impl.forward_mqa((q, q.new_empty(1, H, 0)), cache, metadata, layer=None)

@@ -16,7 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_sparse_backend import BLOCK, TOPK, builder_config, cpu_session  # noqa: F401
+from test_sparse_backend import (  # noqa: F401
+    BLOCK,
+    TOPK,
+    builder_config,
+    cpu_session,
+    one_decode_token,
+    record_launches,
+)
 from test_sparse_refusals import current, hy_v4, hy_v4_attention  # noqa: F401
 
 from vllm_mla.ops.sparse_mla import dispatch, logical_to_physical, sparse_mla_reference
@@ -100,37 +107,12 @@ def test_the_triton_plan_launches_the_sink_variant_with_the_parameter(
     """The GPU's plan (Triton: the kernel maps the logical top-k itself), its kernel
     objects stubbed (our launch Python runs): the split kernel gets ``SINK`` and the sink
     Parameter as ``sink_ptr``, the combine kernel (a split call) too."""
-    import inspect
-
-    from vllm_mla import envs
-    from vllm_mla.ops.sparse_mla import triton_kernels
-
-    launches = []
-
-    class Recorder:  # stands in for a @triton.jit kernel: kernel[grid](*args, **kw)
-        def __init__(self, fn):
-            self.names = list(inspect.signature(fn.fn).parameters)
-
-        def __getitem__(self, grid):  # positional: the runtime arguments, in order
-            named = lambda args: dict(zip(self.names, args, strict=False))  # noqa: E731
-            return lambda *args, **kw: launches.append({**named(args), **kw})
-
-    for name in ("_sparse_mla_split_kernel", "_sparse_mla_combine_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name)))
-    monkeypatch.setattr(envs, "triton_interpret", lambda: True)  # impl='triton' on CPU
+    launches = record_launches(monkeypatch)
     attention = hy_v4_attention(current(hy_v4()))
     impl = attention.mla_attn.impl
     impl._bind_plan(torch.device("cpu"))
     impl.plan = impl.session.plan(impl.caps, impl="triton")
-    logical = torch.full((8, TOPK), -1, dtype=torch.int32)
-    logical[0, :2] = torch.tensor([0, 1])
-    impl.topk_indices_buffer = logical
-    metadata = SimpleNamespace(
-        req_id_per_token=torch.zeros(1, dtype=torch.int32),
-        block_table=torch.tensor([[0]], dtype=torch.int32),
-        block_size=BLOCK,
-        num_decode_tokens=1,
-    )
+    metadata = one_decode_token(impl, TOPK)
     q = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
     impl.forward_mqa((q[..., :512], q[..., 512:]), kv_cache(1), metadata, layer=None)
     split, combine = launches  # one token, 4 heads, top-k 128: split-K, then combine
@@ -176,15 +158,7 @@ def test_the_sink_is_prepared_and_a_frozen_call_compiles_nothing(
     impl.process_weights_after_loading(torch.bfloat16)
     assert impl.session.is_prepared(impl.plan, impl.caps.max_tokens) and impl.caps.sink
     impl.session.freeze()
-    logical = torch.full((8, TOPK), -1, dtype=torch.int32)
-    logical[0, :2] = torch.tensor([0, 1])
-    impl.topk_indices_buffer = logical
-    metadata = SimpleNamespace(
-        req_id_per_token=torch.zeros(1, dtype=torch.int32),
-        block_table=torch.tensor([[0]], dtype=torch.int32),
-        block_size=BLOCK,
-        num_decode_tokens=1,
-    )
+    metadata = one_decode_token(impl, TOPK)
     q = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
     cache = kv_cache(1)
     out, _ = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, layer=None)

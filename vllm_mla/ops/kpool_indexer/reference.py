@@ -48,11 +48,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mla.formats import INDEX_HEAD_DIM
+from vllm_mla.formats import INDEX_HEAD_DIM, TOPK_BUFFER_ALIGN
 from vllm_mla.ops.sparse_indexer import reference as dsa
 from vllm_mla.ops.sparse_indexer.reference import AMAX_FLOOR, IndexerError, quantize_rows
 
-TOPK_WIDTH_ALIGN = 128  # the top-k buffer's width is a multiple of this (sparse MLA tiles)
 HADAMARD_SCALE = 0.08838834764831845  # 1 / sqrt(128), as vLLM's kernels write it (fp32)
 
 
@@ -75,10 +74,16 @@ def check_kpool(kpool: object, topk: object | None = None) -> None:
         expect("topk", ok, f"a positive multiple of kpool={kpool}", topk)
 
 
+def buffer_width(topk: int, kpool: int) -> int:
+    """``topk + kpool - 1`` (history + tail) rounded up to ``TOPK_BUFFER_ALIGN`` (128, the
+    sparse-MLA tiles), unchecked: vLLM's ``get_sparse_topk_buffer_width``."""
+    return -(-(topk + kpool - 1) // TOPK_BUFFER_ALIGN) * TOPK_BUFFER_ALIGN
+
+
 def output_width(topk: int, kpool: int) -> int:
-    """The top-k row width: ``topk + kpool - 1`` (history + tail) rounded up to 128."""
+    """The top-k row width (``buffer_width``) of a checked ``topk`` / ``kpool``."""
     check_kpool(kpool, topk)
-    return -(-(topk + kpool - 1) // TOPK_WIDTH_ALIGN) * TOPK_WIDTH_ALIGN
+    return buffer_width(topk, kpool)
 
 
 # -- rotation and quantization ----------------------------------------------------------
@@ -341,8 +346,8 @@ def dense_topk(
 
 __all__ = [
     "HADAMARD_SCALE",
-    "TOPK_WIDTH_ALIGN",
     "IndexerError",
+    "buffer_width",
     "compress_pools",
     "compressed_slot_mapping",
     "decode_step",

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from vllm.v1.attention.backend import AttentionType
 
-from vllm_mla.formats import LATENT, TOPK_BUFFER_ALIGN
+from vllm_mla.formats import LATENT
 from vllm_mla.formats import SPARSE_BACKEND as NAME
+from vllm_mla.ops.kpool_indexer.reference import buffer_width
 from vllm_mla.ops.sparse_mla.formats import KV_FORMATS, ROPES, record_bytes
 
 
@@ -112,7 +113,7 @@ def topk_buffer_width(hf: object) -> int:
         raise ValueError(f"{NAME}: the top-k width of a model without hf index_topk")
     if kpool is None:
         return int(topk)
-    return -(-(topk + int(kpool) - 1) // TOPK_BUFFER_ALIGN) * TOPK_BUFFER_ALIGN
+    return buffer_width(int(topk), int(kpool))
 
 
 def model_has_sink(hf: object) -> bool:
