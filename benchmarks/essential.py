@@ -411,11 +411,11 @@ def step_query(sec: Section, device) -> None:
 # ---------------------------------------------------------------- sparse MLA
 
 
-def sparse_check(fmt, t, h, k, cache, device, gen) -> dict:
+def sparse_check(fmt, t, h, k, cache, device, gen, rope=64) -> dict:
     """sparse_mla.check: Triton vs sparse_mla_reference, out and LSE, ragged lengths."""
     import sparse_mla as sm
 
-    row = sm.check(fmt, t, h, k, cache, device, gen, "triton")
+    row = sm.check(fmt, t, h, k, cache, device, gen, "triton", rope=rope)
     # forward.OUT_REL_ERR: both sides round out to bf16 (<= 2 * 2^-8 = 7.8e-3 of the norm),
     # the rest for the GPU's bf16 softmax weights (2^-8 each, random); LSE_ABS_ERR: exact
     # products, 576-term fp32 sums in two orders (forward.py states both).
@@ -469,6 +469,7 @@ def step_sparse(sec: Section, device) -> None:
         del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    _flash_checks(sec, device, gen, blocks, block_size)
     # last (it compiles two more variants): decode context parallelism, the cache format
     # DCP serves in production; sparse_mla.py checks both formats and N=4 as well
     dcp = sm.DCP_GPU[0]
@@ -481,6 +482,24 @@ def step_sparse(sec: Section, device) -> None:
         ),
         shape=f"fp8_ds_mla N{dcp['n']} I{dcp['interleave']} T32 H{dcp['h']} K2048",
     )
+
+
+def _flash_checks(sec: Section, device, gen, blocks: int, block_size: int) -> None:
+    """GLM-5.3-Flash's decode shapes (latent 512 without RoPE: the ROPE=0 variants)."""
+    import sparse_mla as sm
+
+    heads = sm.FLASH_HEADS if not DRY else (3,)
+    k = sm.FLASH_TOPK_WIDTH if not DRY else 40
+    for fmt in sm.KV_FORMATS:
+        cache = sm.make_cache(fmt, blocks, block_size, device, gen, rope=0)
+        for h in heads:
+            for t in (1, 32) if not DRY else (1,):
+                sec.check(
+                    "sparse_mla decode, no RoPE",
+                    lambda a=(fmt, t, h, k, cache): sparse_check(*a, device, gen, rope=0),
+                    shape=f"GLM-5.3-Flash {fmt} T{t} H{h} K{k} rope 0",
+                )
+        del cache
 
 
 def _sparse_timing(fmt, t, cache, device, gen, bw) -> dict:

@@ -2,14 +2,15 @@
 # GPU checks, in parts; each part fits one device call of 10 minutes (the device tool's
 # per-call limit), `all` does not. Run `essential` first: it is the one part a single GPU
 # window (15 minutes of device time, start-up included) is sized for.
-#   essential (step timeouts in ESSENTIAL_STEPS below, sum 455 s < 8 minutes): the machine,
+#   essential (step timeouts in ESSENTIAL_STEPS below, sum 475 s < 8 minutes): the machine,
 #          the CUDA op built for sm_90 only, compute-sanitizer memcheck of the decode query
 #          ops on tensors ending at their own allocations, then benchmarks/essential.py one
 #          step per process: `query` (safe bmm on vLLM's strided view, absorbed bmm dense +
 #          MXFP8 views, fused query projection BF16/MXFP8 -> BF16/FP8, CUDA-graph replay,
 #          safe vs torch.bmm, direct vs BF16 pair, fused vs staged), `sparse` (sparse MLA
 #          decode T 1/32 + extend T 4096, both cache formats, LSE, graph replay, decode at
-#          GLM-5 TP4 vs the HBM bandwidth measured in the same run, then DCP: per-rank LSE
+#          GLM-5 TP4 vs the HBM bandwidth measured in the same run, GLM-5.3-Flash decode
+#          (latent 512 without RoPE, H 8/16, the 2176-wide top-k buffer), then DCP: per-rank LSE
 #          through the Triton kernel under graph replay, merged vs DCP 1), `indexer` (insert,
 #          logits, top-k vs the oracle, graph replay, decode vs HBM). A failing or timed-out
 #          step never stops the next. Writes $OUT/essential.json (every figure, versions,
@@ -60,7 +61,7 @@ esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 # ---- essential: one window. Step timeouts (seconds); tests/test_gpu_check_dry.py sums them.
-ESSENTIAL_STEPS="machine:20 build:90 memcheck:60 query:110 sparse:100 indexer:60 report:15"
+ESSENTIAL_STEPS="machine:20 build:90 memcheck:60 query:110 sparse:120 indexer:60 report:15"
 t_of() { local kv; for kv in $ESSENTIAL_STEPS; do [ "${kv%%:*}" = "$1" ] && echo "${kv##*:}"; done; }
 EXITS=()
 timed() {  # name, command...: under the step's timeout; its exit code and seconds recorded

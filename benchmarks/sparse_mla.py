@@ -59,28 +59,38 @@ from vllm_mla.ops.sparse_mla import (
     sparse_mla_reference,
 )
 from vllm_mla.ops.sparse_mla import triton_kernels as kernels
+from vllm_mla.ops.sparse_mla.formats import FP8_ROPE_OFFSET
 
 SCALE = 1 / math.sqrt(192 + 64)  # GLM-5: qk_nope 192 + rope 64
+FLASH_SCALE = 1 / math.sqrt(256)  # GLM-5.3-Flash: qk_nope 256, no RoPE
+# GLM-5.3-Flash's sparse decode: 64 heads (8 per rank at TP 8, 16 at TP 4), latent 512
+# without RoPE, top-k 2048 pools' tokens plus a 15-token tail in a 2176-wide buffer
+# (round_up(2048 + 16 - 1, 128); its unused tail slots are -1)
+FLASH_HEADS, FLASH_TOPK_WIDTH = (8, 16), 2176
 
 
-def make_cache(fmt, num_blocks, block_size, device, gen):
-    """Packed random rows; pages interleave with a NaN-filled neighbour (stride = 2 pages)."""
+def make_cache(fmt, num_blocks, block_size, device, gen, rope=64):
+    """Packed random rows; pages interleave with a NaN-filled neighbour (stride = 2 pages).
+    ``rope`` 0: GLM-5.3-Flash's records (fp8_ds_mla keeps its 656 bytes, the RoPE slot
+    filled with NaN bytes as a page vLLM never wrote there would hold; bf16 512 wide)."""
     n = num_blocks * block_size
     kv_c = torch.randn(n, 512, generator=gen, device=device)
-    k_pe = torch.randn(n, 64, generator=gen, device=device)
+    k_pe = torch.randn(n, rope, generator=gen, device=device)
     packed = pack_rows(kv_c, k_pe, fmt)
     big = torch.empty(
         (num_blocks, 2, block_size, packed.shape[1]), dtype=packed.dtype, device=device
     )
     big.view(torch.uint8).fill_(0xFF)  # NaN in both formats
+    if fmt == "fp8_ds_mla" and rope == 0:
+        packed[:, FP8_ROPE_OFFSET:] = 0xFF  # the unread slot: a stray read turns into NaN
     big[:, 0] = packed.view(num_blocks, block_size, -1)
     return big[:, 0]
 
 
-def make_inputs(t, h, k, num_rows, device, gen, *, ragged, empty=0.05):
-    """q [T, H, 576] bf16; per token K distinct rows, a fraction ``empty`` of them -1;
-    optional ragged lengths."""
-    q = torch.randn(t, h, HEAD_DIM, generator=gen, device=device).bfloat16()
+def make_inputs(t, h, k, num_rows, device, gen, *, ragged, empty=0.05, rope=64):
+    """q [T, H, 512 + rope] bf16; per token K distinct rows, a fraction ``empty`` of them
+    -1; optional ragged lengths."""
+    q = torch.randn(t, h, HEAD_DIM - 64 + rope, generator=gen, device=device).bfloat16()
     keys = torch.rand(t, num_rows, generator=gen, device=device)
     idx = keys.topk(k, dim=1).indices.int()  # distinct rows per token
     idx[torch.rand(t, k, generator=gen, device=device) < empty] = -1
@@ -102,16 +112,17 @@ def errors(out, lse, ref, ref_lse) -> dict:
     return {"rel_err": rel, "lse_err": lse_err, "nan": nan, "ok": ok}
 
 
-def check(fmt, t, h, k, cache, device, gen, impl) -> dict:
+def check(fmt, t, h, k, cache, device, gen, impl, rope=64) -> dict:
     num_rows = cache.shape[0] * cache.shape[1]
-    q, idx, lengths = make_inputs(t, h, k, num_rows, device, gen, ragged=t <= 64)
+    q, idx, lengths = make_inputs(t, h, k, num_rows, device, gen, ragged=t <= 64, rope=rope)
     out = torch.full((t, h, 512), float("nan"), device=device).bfloat16()
     lse = torch.full((t, h), float("nan"), device=device)
+    scale = SCALE if rope else FLASH_SCALE
     sparse_mla_forward(
-        q, cache, idx, SCALE, kv_format=fmt, lengths=lengths, out=out, lse=lse, impl=impl
+        q, cache, idx, scale, kv_format=fmt, lengths=lengths, out=out, lse=lse, impl=impl
     )
-    ref, ref_lse = sparse_mla_reference(q, cache, idx, SCALE, kv_format=fmt, lengths=lengths)
-    return {"fmt": fmt, "T": t, "H": h, "K": k, **errors(out, lse, ref, ref_lse)}
+    ref, ref_lse = sparse_mla_reference(q, cache, idx, scale, kv_format=fmt, lengths=lengths)
+    return {"fmt": fmt, "T": t, "H": h, "K": k, "rope": rope, **errors(out, lse, ref, ref_lse)}
 
 
 class Static:

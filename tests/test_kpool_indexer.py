@@ -57,6 +57,19 @@ def test_compress_pools_matches_the_softmax_formulation():
     assert ((got - want).abs() <= bound).all()
 
 
+def test_no_complete_pool_compresses_to_nothing():
+    """A request shorter than one pool (a new prompt of a few tokens) has no pool: zero
+    rows in, zero rows out, the reference and the op alike."""
+    from vllm_mla.ops.kpool_indexer import api
+
+    empty = torch.zeros(0, 4, D, dtype=torch.bfloat16)
+    ape = rand(4, D, seed=3)
+    for compress in (ref.compress_pools, api.compress_pools):
+        assert compress(empty, empty, ape).shape == (0, D)
+    few = torch.zeros(3, D, dtype=torch.bfloat16)
+    assert ref.request_pools(few, few, ape).shape == (0, D)
+
+
 def test_expansion_matches_a_loop():
     kpool = 4
     pool_ids = torch.tensor([[3, 0], [1, -1], [-1, -1], [5, 2]])

@@ -273,3 +273,29 @@ def test_a_bound_call_with_rope_0(fmt, monkeypatch):
         call.run(q, torch.zeros(4, h, 64, dtype=q.dtype), cache, idx)
     with pytest.raises(ValueError, match=r"SparseMLACaps\.rope"):
         SparseMLACaps(max_tokens=4, num_heads=h, topk=k, rope=32)
+
+
+def test_prewarm_at_rope_0_prepares_the_rope_0_variant(monkeypatch):
+    """``prewarm(rope=0)`` compiles what a rope-0 call needs, so the call under capture
+    compiles nothing; the rope-64 prewarm does not (another variant, refused by name)."""
+    from vllm_mla.ops import sparse_mla as sm
+    from vllm_mla.ops.sparse_mla import SparseMLANotPrepared
+
+    monkeypatch.setattr(kernels, "_compiled", set())
+    cache = make_cache("fp8_ds_mla")
+    common = {"num_heads": 2, "topk": 40, "kv_format": "fp8_ds_mla", "impl": "triton"}
+    idx = make_indices(2, 40, cache.shape[0] * cache.shape[1])
+
+    def call():
+        sparse_mla_forward(make_q(2, 2), cache, idx, SCALE, kv_format="fp8_ds_mla", impl="triton")
+
+    assert sm.prewarm(cache, token_counts=[2], **common) == 1  # rope 64: not this call's
+    monkeypatch.setattr(kernels, "capturing", lambda device: True)
+    with pytest.raises(SparseMLANotPrepared):
+        call()
+    monkeypatch.setattr(kernels, "capturing", lambda device: False)
+    assert sm.prewarm(cache, token_counts=[2], rope=0, **common) == 1
+    monkeypatch.setattr(kernels, "capturing", lambda device: True)
+    call()
+    with pytest.raises(SparseMLAError, match="qk_rope_head_dim"):
+        sm.prewarm(cache, token_counts=[2], rope=32, **common)

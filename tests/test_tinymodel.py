@@ -295,3 +295,81 @@ def test_cli_make_model_hyv4(tmp_path, capsys):
     assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (2, 1)
     assert main(["make-model", str(tmp_path / "bad"), "--arch", "hy-v4", "--layers", "1"]) == 2
     assert "needs --layers >= 2" in capsys.readouterr().err
+
+
+GLM5 = TinyModelSpec(arch="glm5-next", heads=2, hidden=64, intermediate=128, vocab=320)
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "glm5", GLM5)
+
+
+def test_glm5next_config_has_what_vllm_and_transformers_read(glm5):
+    config = json.loads((glm5 / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("glm5_next", ["Glm5NextForCausalLM"])
+    # every layer MLA (vLLM CPU has no KDA path), each with its own kpool indexer
+    assert config["layer_types"] == ["indexed_attention"] * 2
+    assert config["indexer_types"] == ["full"] * 2 and config["mlp_layer_types"] == ["dense"] * 2
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["mla_use_nope"]) == (
+        512,
+        0,
+        True,
+    )
+    assert (config["qk_nope_head_dim"], config["v_head_dim"]) == (256, 256)
+    assert config["index_kpool"] == 16 and config["index_kpool_always_select_tail"]
+    assert config["index_topk"] % config["index_kpool"] == 0
+    assert not config["mhc"] and config["hc_mult"] == 1  # vLLM CPU's mHC drops a norm
+    assert config["torch_dtype"] == "bfloat16"
+    geo = from_hf_config(glm5)
+    assert (geo.num_heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.head_size) == (
+        2,
+        512,
+        0,
+        512,
+    )
+
+
+def test_glm5next_tensors_are_exactly_what_vllm_loads_on_the_bf16_grid(glm5):
+    tensors = read(glm5)
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(2):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        names |= {f"{p}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")}
+        names |= {f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        attn = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa")
+        names |= {f"{a}.{n}.weight" for n in (*attn, "kv_a_layernorm", "kv_b_proj", "o_proj")}
+        ix = f"{a}.indexer"
+        names |= {f"{ix}.{n}.weight" for n in ("wq_b", "wk", "k_norm", "weights_proj")}
+        names |= {f"{ix}.k_norm.bias", f"{ix}.index_kpool_compress_ape"}
+        names.add(f"{ix}.index_kpool_compress_gate")
+    assert set(tensors) == names
+    a = "model.layers.1.self_attn"
+    assert tensors[f"{a}.kv_a_proj_with_mqa.weight"].shape == (512, 64)  # no RoPE rows
+    assert tensors[f"{a}.kv_b_proj.weight"].shape == (2 * (256 + 256), 512)
+    assert tensors[f"{a}.q_b_proj.weight"].shape == (2 * 256, 128)
+    assert tensors[f"{a}.indexer.index_kpool_compress_gate"].shape == (128, 64)
+    assert tensors[f"{a}.indexer.index_kpool_compress_ape"].shape == (16, 128)
+    for t in tensors.values():  # bf16 values in fp32 tensors: vLLM's bf16 copy is exact
+        assert t.dtype == torch.float32 and torch.equal(t, t.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"index_topk": 40}, "multiple of GLM-5.3-Flash's index_kpool 16"),
+        ({"kv_b_format": "mxfp8"}, "--kv-b-format 'mxfp8' is not made for --arch glm5-next"),
+        ({"mtp_layers": 1}, "--mtp-layers 1 is not made for --arch glm5-next"),
+        ({"index_head_dim": 64}, "index-head-dim must be 128"),
+    ],
+)
+def test_bad_glm5next_specs_name_the_setting(change, message):
+    with pytest.raises(MakeModelError, match=message):
+        TinyModelSpec(**{"arch": "glm5-next", **change})
+
+
+def test_cli_make_model_glm5next(tmp_path, capsys):
+    args = ["make-model", str(tmp_path / "g"), "--arch", "glm5-next", "--hidden", "64"]
+    assert main([*args, "--vocab", "320", "--layers", "1"]) == 0
+    assert "GLM-5.3-Flash, DSA top-32 of 32 index heads over pools of 16" in capsys.readouterr().out
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["num_hidden_layers"] == 1

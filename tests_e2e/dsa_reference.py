@@ -45,6 +45,31 @@ def round_k_pe(k_pe: torch.Tensor) -> torch.Tensor:
     return k_pe.to(torch.bfloat16).to(k_pe.dtype)
 
 
+@contextlib.contextmanager
+def replaced(owner: object, **attributes: object) -> Iterator[None]:
+    """``owner``'s named attributes replaced for the block; the originals put back after."""
+    originals = {name: getattr(owner, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def latent_through(attention: torch.nn.Module, cached) -> Iterator[None]:
+    """``attention.kv_a_layernorm(x)`` gives ``cached(norm(x))`` for the block: an instance
+    attribute shadowing the submodule (a module attribute cannot be set to a function)."""
+    norm = attention.kv_a_layernorm
+    attention.__dict__["kv_a_layernorm"] = lambda x: cached(norm(x))
+    try:
+        yield
+    finally:
+        del attention.__dict__["kv_a_layernorm"]
+
+
 class Decisions:
     """Hooks on the reference's discrete decisions (``flip_effect.py`` forces single ones
     the other way): ``selected(layer, scores, picked)`` returns the top-k to use,

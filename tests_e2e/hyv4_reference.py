@@ -27,7 +27,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from dsa_reference import round_k_pe, round_kv_c
+from dsa_reference import latent_through, replaced, round_k_pe, round_kv_c
 
 ROPES = ("interleaved", "half")
 
@@ -76,22 +76,15 @@ def emulating_vllm(kv_format: str | None, rope: str = "interleaved") -> Iterator
     def attention_forward(self, *args, **kwargs):
         if kv_format is None:
             return original_attention(self, *args, **kwargs)
-        norm = self.kv_a_layernorm
-        self.__dict__["kv_a_layernorm"] = lambda x: round_kv_c(norm(x), kv_format)
-        try:
+        with latent_through(self, lambda x: round_kv_c(x, kv_format)):
             return original_attention(self, *args, **kwargs)
-        finally:
-            del self.__dict__["kv_a_layernorm"]
 
-    m.apply_rotary_pos_emb = patched_rope
-    m.HYV4Attention.forward = attention_forward
-    m.HYV4Indexer.forward = indexer_forward
-    try:
+    with (
+        replaced(m, apply_rotary_pos_emb=patched_rope),
+        replaced(m.HYV4Attention, forward=attention_forward),
+        replaced(m.HYV4Indexer, forward=indexer_forward),
+    ):
         yield
-    finally:
-        m.apply_rotary_pos_emb = original_rope
-        m.HYV4Attention.forward = original_attention
-        m.HYV4Indexer.forward = original_indexer
 
 
 def load(model_dir, sink: str = "model"):

@@ -46,10 +46,15 @@ D = INDEX_HEAD_DIM
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
+    from vllm_mla.vllm import patches
     from vllm_mla.vllm.sparse import cpu as sparse_cpu
 
     assert kpool_indexer.register("cpu")  # the op and our stand-ins
     sparse_cpu.register()  # the V3.2 prefill-chunk metadata stand-in the builder needs
+    # on vLLM CPU: the indexer keeps wk_weights_proj's weight (cpu_glm5next_indexer_weights)
+    patches.apply(frozenset({"sparse-cpu"}))
+    yield
+    patches.revert()
 
 
 @pytest.fixture(autouse=True)
@@ -462,13 +467,11 @@ def test_the_default_settings_construct():
 
 # -- registration ----------------------------------------------------------------------------
 def test_register_installs_the_op_and_the_stand_ins(registered):
-    """Not part of the plugin's default features yet: importing GLM-5.3-Flash's package
-    costs every vLLM process 3-8 s here, and the model has not run end to end (its KDA
-    layers have no vLLM CPU path). ``register`` is the one call to wire it."""
+    """``register`` installs the op and the stand-ins at once (the plugin defers it to the
+    model's import: ``test_glm5next_wiring``)."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.triton_utils import dispatcher
 
-    assert "kpool" not in registered["sparse-cpu"]
     assert "kpool" in kpool_indexer.register("cpu")
     assert op_registry_oot["SparseAttnIndexerKpool"].__qualname__ == kpool_indexer.CLASS_NAME
     for stand_in in kpool_indexer.STAND_INS:
@@ -552,6 +555,8 @@ def test_where_vllms_indexer_runs_it_is_kept_untouched(monkeypatch):
     monkeypatch.setenv("VLLM_MLA_INDEXER", "auto")
     assert kpool_indexer.register("cuda").startswith("vLLM's kpool indexer kept")
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    base = importlib.import_module(kpool_indexer.BASE_MODULE)
+    monkeypatch.setattr(base, "has_deep_gemm", lambda: True)  # the premise: DeepGEMM there
     made = construct(kpool_indexer.make_indexer(), use_fp4_cache=True)  # vLLM's: allowed
     assert not made.vllm_mla_ours
     module = importlib.import_module(kpool_indexer.BASE_MODULE)
@@ -573,7 +578,8 @@ import triton.language as tl
 import triton.runtime.interpreter as interpreter
 import vllm.models.glm5next.nvidia.ops.kpool_compress as kc
 from vllm.v1.attention.backends.mla.compressor_utils import CompressedSlotMappingKernel
-from vllm_mla.vllm.sparse.kpool_indexer import compressed_slot_mapping_kernel, fwht_quant
+from vllm.models.common.ops.fused_qk_rmsnorm import FusedQKVRMSNormKernel
+from vllm_mla.vllm.sparse.kpool_indexer import STAND_INS, compressed_slot_mapping_kernel, fwht_quant
 
 # The interpreter's float casts are not a GPU's: fp32 -> bf16 truncates, and fp32 -> e4m3
 # drops the carry when rounding up crosses a power of two (125.2 -> 64). A GPU rounds to
@@ -633,6 +639,30 @@ for world, interleave in ((1, 1), (2, 8), (2, 4)):
         outs.append(out)
     assert torch.equal(*outs), (world, interleave, outs)
     assert (outs[0] >= 0).sum() > 2
+
+# the fused q / kv RMSNorm: strided rows (the split of one [T, 128 + 512] projection)
+norm = real(FusedQKVRMSNormKernel.kernel)
+(norm_stand_in,) = [s.impl for s in STAND_INS if s.kernel.endswith("FusedQKVRMSNormKernel.kernel")]
+fused = (torch.randn(9, 640, generator=gen) * torch.logspace(-3, 2, 9)[:, None]).bfloat16()
+qr, kv = fused[:, :128], fused[:, 128:]
+weights = [(torch.rand(n, generator=gen) + 0.5).bfloat16() for n in (128, 512)]
+outs = []
+for run in ("vllm", "ours"):
+    q_out, kv_out = torch.full((9, 128), 7.0).bfloat16(), torch.full((9, 512), 7.0).bfloat16()
+    kwargs = dict(q_ptr=qr, q_out_ptr=q_out, q_weight_ptr=weights[0], q_in_stride=640,
+                  q_out_stride=128, kv_ptr=kv, kv_out_ptr=kv_out, kv_weight_ptr=weights[1],
+                  kv_in_stride=640, kv_out_stride=512, eps=1e-6, Q_SIZE=128, KV_SIZE=512,
+                  BLOCK_SIZE=512, launch_pdl=False)
+    if run == "vllm":
+        norm[(9, 2)](**kwargs)
+    else:
+        norm_stand_in(**kwargs, num_warps=4)  # as vLLM's jit-warmup launch passes it
+    outs.append((q_out, kv_out))
+for a, b in zip(*outs):
+    # the same fp32 arithmetic but for the order of the row's sum of squares: at most one
+    # bf16 step apart, and in a few elements only
+    step = (a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-30)
+    assert step.max() <= 2.0**-7 and (a != b).float().mean() < 0.02, (step.max(), (a != b).sum())
 print("OK")
 """
 
@@ -642,7 +672,9 @@ def test_the_stand_ins_equal_vllms_triton_kernels_in_the_interpreter():
     """Our ``fwht_quant`` and ``compressed_slot_mapping_kernel`` against vLLM's own
     ``_fwht_quant_kernel`` and ``CompressedSlotMappingKernel.kernel`` in Triton's CPU
     interpreter, its float casts made a GPU's (round to nearest even: the script says
-    where the interpreter's differ): every output byte equal, rows past the launch left."""
+    where the interpreter's differ): every output byte equal, rows past the launch left;
+    the fused q / kv RMSNorm stand-in against ``FusedQKVRMSNormKernel.kernel`` within one
+    bf16 step (the order of a fp32 sum)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
         [sys.executable, "-c", INTERPRETED],

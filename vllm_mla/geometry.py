@@ -41,8 +41,12 @@ class MLAGeometry:
             "num_layers",
         ):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise GeometryError(f"{field} must be a positive int, got {value!r}")
+            # MLA without RoPE (GLM-5.3-Flash) has qk_rope_head_dim 0; every other size is
+            # a count of at least one
+            least = 0 if field == "qk_rope_head_dim" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                kind = "a non-negative" if least == 0 else "a positive"
+                raise GeometryError(f"{field} must be {kind} int, got {value!r}")
         if self.kv_lora_rank % MX_BLOCK:
             raise GeometryError(
                 f"kv_lora_rank must be a multiple of {MX_BLOCK} (MXFP8 block), "
@@ -51,7 +55,7 @@ class MLAGeometry:
 
     @property
     def head_size(self) -> int:
-        """Width of a latent query/KV row: L + R (576 for every preset)."""
+        """Width of a latent query/KV row: L + R (576 for every preset; 512 without RoPE)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def shard(self, tp: int, rank: int = 0) -> RankGeometry:
@@ -135,6 +139,9 @@ def from_hf_config(path: str | Path) -> MLAGeometry:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise GeometryError(f"{file}: not a readable config.json ({exc})") from None
+    # a multimodal checkpoint (GLM-5.3-Flash's Glm5NextForConditionalGeneration) nests
+    # the language model's fields
+    config = config.get("text_config") or config
     missing = [key for key in HF_FIELDS.values() if key not in config]
     if missing:
         raise GeometryError(f"{file}: not an MLA config, missing {', '.join(missing)}")

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vllm_mla.geometry import PRESETS, GeometryError
+from vllm_mla.tools import tiny_glm5next
 from vllm_mla.tools.checkpoint import CheckpointError
 from vllm_mla.tools.plot import PlotError, check_plot, write_plot
 from vllm_mla.tools.qualify import (
@@ -136,9 +137,10 @@ def _parser() -> argparse.ArgumentParser:
         "--arch",
         default="deepseek",
         choices=ARCHS,
-        help="deepseek (default: DeepSeek-V2, or V3.2 with --sparse) or hy-v4 (HY-V4: DSA with "
-        "shared indexers, a learnable attention sink, iHC, gated MLA, MoE; --q-lora-rank, "
-        "--index-topk and --index-heads apply)",
+        help="deepseek (default: DeepSeek-V2, or V3.2 with --sparse), hy-v4 (HY-V4: DSA with "
+        "shared indexers, a learnable attention sink, iHC, gated MLA, MoE) or glm5-next "
+        "(GLM-5.3-Flash's text model: MLA of latent 512 without RoPE, the kpool indexer, every "
+        "layer MLA); --q-lora-rank, --index-topk and --index-heads apply to both",
     )
     m.add_argument("--experts", type=int, default=4, help="with --arch hy-v4 (default 4)")
     m.add_argument("--experts-per-tok", type=int, default=2, help="with --arch hy-v4 (default 2)")
@@ -283,6 +285,8 @@ def _make_model(args: argparse.Namespace) -> int:
     kind = f", DSA top-{spec.index_topk} of {spec.index_heads} index heads" if spec.dsa else ""
     if spec.arch == "hy-v4":
         kind = f", HY-V4{kind}, {spec.experts} experts, attention sink"
+    if spec.arch == "glm5-next":
+        kind = f", GLM-5.3-Flash{kind} over pools of {tiny_glm5next.KPOOL}, latent 512 no RoPE"
     print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads{kind}")
     return 0
 

@@ -44,6 +44,10 @@ load (its ``conversion_mapping``), so both load the folder with no missing keys.
 ``swiglu_limit`` is set far above any activation of these weights (the routed-expert clamp
 never engages), and ``rms_norm_eps`` 1e-6 is the eps both implementations hard-code in
 places (q/kv LoRA norms, the indexer's key norm).
+
+With ``arch="glm5-next"`` the checkpoint is GLM-5.3-Flash's text model (``glm5_next``,
+``Glm5NextForCausalLM``): MLA of latent 512 without RoPE and the kpool indexer, every
+layer MLA with a dense MLP and no mHC (``tiny_glm5next`` says what and why).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_mla.quant import fp8_block, mxfp8
+from vllm_mla.tools import tiny_glm5next
 
 KV_LORA_RANK = 512
 QK_ROPE = 64
@@ -66,7 +71,7 @@ V_HEAD = 128
 KV_B_FORMATS = ("fp32", "fp8-block", "mxfp8")
 EXACT_GRIDS = ("fp8-block", "mxfp8")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-ARCHS = ("deepseek", "hy-v4")
+ARCHS = ("deepseek", "hy-v4", "glm5-next")
 HYV4_QK_NOPE = 192  # HY-V4's qk_nope_head_dim and v_head_dim (DeepSeek's are 128 / 128)
 HYV4_V_HEAD = 256
 HYV4_SWIGLU_LIMIT = 1000.0  # far above any expert activation here: the clamp never engages
@@ -96,8 +101,8 @@ class TinyModelSpec:
     index_heads: int = 32  # sparse only; >= 32 keeps ReLU ties at 0 from deciding top-k
     index_head_dim: int = 128  # sparse only (vLLM's indexer is written for 128)
     mtp_layers: int = 0  # sparse only: multi-token-prediction layers (speculative decoding)
-    arch: str = "deepseek"  # "deepseek" (V2, or V3.2 with sparse) or "hy-v4" (always DSA)
-    experts: int = 4  # hy-v4 only: routed experts per MoE layer
+    arch: str = "deepseek"  # "deepseek" (V2, or V3.2 with sparse); "hy-v4", "glm5-next" (DSA)
+    experts: int = 4  # hy-v4 (glm5-next: declared, its MLPs are dense): routed experts
     experts_per_tok: int = 2  # hy-v4 only
     hc_mult: int = 4  # hy-v4 only: iHC residual streams
     sink_logit: float = 2.0  # hy-v4 only: mean of the per-head sink logits (std 1)
@@ -105,8 +110,8 @@ class TinyModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise MakeModelError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
-        if self.arch == "hy-v4":
-            self._check_hyv4()
+        if self.arch in ("hy-v4", "glm5-next"):
+            self._check_new_arch()
         for name in ("layers", "heads", "hidden", "intermediate"):
             if getattr(self, name) < 1:
                 raise MakeModelError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -135,7 +140,7 @@ class TinyModelSpec:
                 f"kv_b exact grid must be one of {EXACT_GRIDS}, got {self.kv_b_exact!r}"
             )
 
-    def _check_hyv4(self) -> None:
+    def _check_new_arch(self) -> None:
         unsupported = {
             "kv_b_format": (self.kv_b_format, "fp32"),
             "kv_b_exact": (self.kv_b_exact, False),
@@ -144,9 +149,16 @@ class TinyModelSpec:
         for name, (value, only) in unsupported.items():
             if value != only:
                 raise MakeModelError(
-                    f"--{name.replace('_', '-')} {value!r} is not made for --arch hy-v4 "
+                    f"--{name.replace('_', '-')} {value!r} is not made for --arch {self.arch} "
                     f"(only {only!r})"
                 )
+        if self.arch == "glm5-next":
+            if self.index_topk % tiny_glm5next.KPOOL:
+                raise MakeModelError(
+                    f"--index-topk {self.index_topk} must be a multiple of GLM-5.3-Flash's "
+                    f"index_kpool {tiny_glm5next.KPOOL}"
+                )
+            return
         if self.layers < 2:
             raise MakeModelError(
                 f"--arch hy-v4 needs --layers >= 2 (a dense layer, then MoE), got {self.layers}"
@@ -161,8 +173,8 @@ class TinyModelSpec:
 
     @property
     def dsa(self) -> bool:
-        """A DSA model: DeepSeek-V3.2 (``sparse``) or HY-V4 (always)."""
-        return self.sparse or self.arch == "hy-v4"
+        """A DSA model: DeepSeek-V3.2 (``sparse``), HY-V4 or GLM-5.3-Flash (always)."""
+        return self.sparse or self.arch != "deepseek"
 
     @property
     def kv_b_grid(self) -> str | None:
@@ -178,6 +190,8 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
     """The transformers ``DeepseekV2Config`` fields of the model (dense layers only)."""
     if spec.arch == "hy-v4":
         return hyv4_config_dict(spec, vocab)
+    if spec.arch == "glm5-next":
+        return dsa_model_fields(spec, vocab) | tiny_glm5next.config_fields(spec)
     config = {
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
@@ -263,46 +277,58 @@ def hyv4_indexer_types(layers: int) -> list[str]:
     return ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)]
 
 
-def hyv4_config_dict(spec: TinyModelSpec, vocab: int) -> dict:
-    """The ``hy_v4`` config: every field transformers' and vLLM's ``HYV4Config`` read
-    (vLLM turns iHC, the gate and the sink on only where the config says so)."""
-    layers = spec.layers
+def dsa_model_fields(spec: TinyModelSpec, vocab: int) -> dict:
+    """The config fields HY-V4's and GLM-5.3-Flash's configs share: sizes, MoE routing,
+    q LoRA, the indexer's heads and top-k, the special tokens."""
     return {
-        "architectures": ["HYV4ForCausalLM"],
-        "model_type": "hy_v4",
         "vocab_size": vocab,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
         "moe_intermediate_size": spec.intermediate // 4,
-        "num_hidden_layers": layers,
+        "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.heads,
-        "head_dim": QK_ROPE,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position,
         "initializer_range": spec.init_std,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "attention_dropout": 0.0,
         "n_routed_experts": spec.experts,
         "n_shared_experts": 1,
         "num_experts_per_tok": spec.experts_per_tok,
         "routed_scaling_factor": 1.0,
-        "norm_topk_prob": True,
         "n_group": 1,
         "topk_group": 1,
         "q_lora_rank": spec.q_lora_rank,
         "kv_lora_rank": KV_LORA_RANK,
-        "qk_nope_head_dim": HYV4_QK_NOPE,
-        "qk_rope_head_dim": QK_ROPE,
-        "v_head_dim": HYV4_V_HEAD,
-        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
-        "layer_types": ["indexed_attention"] * layers,
+        "layer_types": ["indexed_attention"] * spec.layers,
         "index_topk": spec.index_topk,
         "index_head_dim": spec.index_head_dim,
         "index_n_heads": spec.index_heads,
-        "indexer_types": hyv4_indexer_types(layers),
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "use_cache": True,
+    }
+
+
+def hyv4_config_dict(spec: TinyModelSpec, vocab: int) -> dict:
+    """The ``hy_v4`` config: every field transformers' and vLLM's ``HYV4Config`` read
+    (vLLM turns iHC, the gate and the sink on only where the config says so)."""
+    return {
+        "architectures": ["HYV4ForCausalLM"],
+        "model_type": "hy_v4",
+        **dsa_model_fields(spec, vocab),
+        "head_dim": QK_ROPE,
+        "attention_dropout": 0.0,
+        "norm_topk_prob": True,
+        "qk_nope_head_dim": HYV4_QK_NOPE,
+        "qk_rope_head_dim": QK_ROPE,
+        "v_head_dim": HYV4_V_HEAD,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (spec.layers - 1),
+        "indexer_types": hyv4_indexer_types(spec.layers),
         "enable_ihc": True,
         "hc_mult": spec.hc_mult,
         "hc_magnitude": 2.0,
@@ -314,12 +340,7 @@ def hyv4_config_dict(spec: TinyModelSpec, vocab: int) -> dict:
         "swiglu_limit": HYV4_SWIGLU_LIMIT,
         "enable_lm_head_fp32": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "num_nextn_predict_layers": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": None,
         "torch_dtype": "float32",
-        "use_cache": True,
     }
 
 
@@ -347,6 +368,8 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
 
     if spec.arch == "hy-v4":
         return _hyv4_weights(spec, vocab, gen, normal)
+    if spec.arch == "glm5-next":
+        return tiny_glm5next.weights(spec, vocab, normal)
     d = spec.hidden
     out = {"model.embed_tokens.weight": normal(vocab, d)}
     for i in range(spec.layers):

@@ -36,9 +36,9 @@ def _cuda_indexer() -> str:
 
     if not current_platform.is_cuda():
         return "skipped: for cuda only (on CPU feature sparse-cpu serves the indexer)"
-    from vllm_mla.vllm.sparse import indexer
+    from vllm_mla.vllm.sparse import indexer, kpool_indexer
 
-    return indexer.register("cuda")
+    return "; ".join((indexer.register("cuda"), kpool_indexer.register_on_import("cuda")))
 
 
 def register() -> dict[str, str]:

@@ -94,7 +94,8 @@ def hadamard128(x: torch.Tensor) -> torch.Tensor:
     y = x.float().reshape(-1, INDEX_HEAD_DIM)
     stride = 1
     while stride < INDEX_HEAD_DIM:
-        pairs = y.reshape(y.shape[0], -1, 2, stride)
+        # explicit sizes, not -1: zero rows (no complete pool yet) reshape too
+        pairs = y.reshape(y.shape[0], INDEX_HEAD_DIM // (2 * stride), 2, stride)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
         y = torch.stack((a + b, a - b), dim=2).reshape(y.shape[0], INDEX_HEAD_DIM)
         stride *= 2

@@ -16,9 +16,11 @@ from vllm_mla.ops.sparse_mla import custom_op, dispatch
 from vllm_mla.ops.sparse_mla.dispatch import select_impl as select_impl  # preparation's kernel API
 from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
+    ROPE,
     SparseMLAError,
     SparseMLATypeError,
     check_format,
+    check_rope,
 )
 from vllm_mla.ops.sparse_mla.validate import Args, Query, validate
 
@@ -160,15 +162,17 @@ def prewarm(
     return_lse: bool = False,
     impl: str = "auto",
     with_sink: bool = False,
+    rope: int = ROPE,
 ) -> int:
     """Compile every variant the given token counts need on this cache (call before
     capture); returns how many new variants compiled. Runs on all-empty indices, so the
     cache is only addressed, never read. ``with_sink``: the variants of calls passing a
-    ``sink``."""
+    ``sink``; ``rope``: the model's qk_rope_head_dim (0: latent-512 MLA without RoPE)."""
+    check_rope(rope)
     before = compiled_variants()
     device = kv_cache.device
     for t in sorted(set(token_counts)):
-        q = torch.zeros(t, num_heads, LATENT + 64, dtype=q_dtype, device=device)
+        q = torch.zeros(t, num_heads, LATENT + rope, dtype=q_dtype, device=device)
         idx = torch.full((t, topk), -1, dtype=torch.int32, device=device)
         lengths = torch.zeros(t, dtype=torch.int32, device=device) if with_lengths else None
         sink = torch.zeros(num_heads, dtype=torch.float32, device=device) if with_sink else None

@@ -70,6 +70,13 @@ the two agree and that every target exists in the installed vLLM):
     why: HY-V4's indexer calls the name it imported itself, the same Triton fallback
     removal: when vLLM ships a CPU per_token_group_fp8_quant
 
+``cpu_glm5next_indexer_weights`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and
+0.33; applied when its module is imported)
+    target: ``vllm.models.glm5next.common.attention.Indexer.__init__``
+    why: vLLM CPU's linear post-load leaves an empty placeholder weight, and GLM-5.3-Flash's
+    indexer reads ``wk_weights_proj.weight`` in its first forward
+    removal: when vLLM CPU keeps the weights its model code reads after loading
+
 ``wake_check_sleep`` (feature ``wake-check``, vLLM 0.32 and 0.33)
     target: ``vllm.v1.worker.gpu_worker.Worker.sleep``
     why: vLLM keeps no flag for weights discarded by sleep level 2 and not reloaded
@@ -94,15 +101,22 @@ through ``vllm_mla.vllm.sparse.cpu``; those are vLLM's extension APIs, not patch
 Rules: a patch applies only if its target exists with the expected parameters;
 a feature's patches apply all or none; an unsupported vLLM version applies
 nothing (one warning). ``apply`` is idempotent; ``revert`` undoes everything.
+An ``on_import`` patch targets a model's own package, costly to import: it is applied
+when vLLM first imports that module (``vllm_mla.vllm.on_import``), so processes serving
+other models never import it; its target is checked then (a warning if it is missing).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from vllm_mla.vllm import on_import
 
 logger = logging.getLogger("vllm_mla")
 
@@ -126,6 +140,9 @@ class Patch:
     factory: str  # "module:function" returning the replacement given the original
     requires: tuple[str, ...] = ()  # other names the replacement uses from ``module``
     platforms: tuple[str, ...] = ()  # vLLM device types it applies on (empty: all)
+    # applied when ``module`` is first imported, not by ``apply`` (a model's own package,
+    # costly to import, that most processes never load); applied at once if imported
+    on_import: bool = False
 
     def build(self, original: Callable) -> Callable:
         mod, func = self.factory.split(":")
@@ -316,6 +333,33 @@ PATCHES: tuple[Patch, ...] = (
         platforms=("cpu",),
     ),
     Patch(
+        name="cpu_glm5next_indexer_weights",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.attention",
+        qualname="Indexer.__init__",
+        params=(
+            "self",
+            "vllm_config",
+            "config",
+            "hidden_size",
+            "q_lora_rank",
+            "quant_config",
+            "cache_config",
+            "topk_indices_buffer",
+            "prefix",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="vLLM CPU's linear post-load packs the weight for oneDNN and leaves an empty "
+        "placeholder, and GLM-5.3-Flash's indexer reads wk_weights_proj.weight in its first "
+        "forward (its fp32 head weights): IndexError",
+        how="after the original, marks wk_weights_proj _cpu_skip_gemm_dispatch (vLLM's own "
+        "flag: the weight is kept and served by F.linear, as vLLM does for kv_b_proj)",
+        removal="when vLLM CPU keeps the weights its model code reads after loading",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_indexer_weights:make_init",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
         name="wake_check_sleep",
         feature="wake-check",
         module="vllm.v1.worker.gpu_worker",
@@ -445,23 +489,43 @@ def apply(features: frozenset[str]) -> dict[str, str]:
         if elsewhere:
             results[feature] = f"skipped: for {', '.join(elsewhere)} only (platform {platform})"
             continue
+        later = [p for p in patches if p.on_import and p.module not in sys.modules]
         try:
-            targets = [(p, *resolve(p)) for p in patches]
+            targets = [(p, *resolve(p)) for p in patches if p not in later]
         except TargetMissing as exc:
             logger.warning("vllm-mla: feature %s not applied: %s", feature, exc)
             results[feature] = f"skipped: {exc}"
             continue
         for patch, owner, attr, current in targets:
-            func = _function(current)
-            if hasattr(func, MARK):  # already ours: idempotent
-                continue
-            replacement = patch.build(func)
-            if isinstance(current, classmethod):
-                replacement = classmethod(replacement)
-            setattr(owner, attr, replacement)
-            _applied[patch.name] = (owner, attr, current)
-        results[feature] = "applied " + ", ".join(p.qualname for p in patches)
+            _install(patch, owner, attr, current)
+        for patch in later:
+            on_import.when_imported(patch.module, functools.partial(_apply_on_import, patch))
+        results[feature] = "applied " + ", ".join(
+            p.qualname + (f" (when {p.module} is imported)" if p in later else "") for p in patches
+        )
     return results
+
+
+def _install(patch: Patch, owner: object, attr: str, current: object) -> None:
+    func = _function(current)
+    if hasattr(func, MARK):  # already ours: idempotent
+        return
+    replacement = patch.build(func)
+    if isinstance(current, classmethod):
+        replacement = classmethod(replacement)
+    setattr(owner, attr, replacement)
+    _applied[patch.name] = (owner, attr, current)
+
+
+def _apply_on_import(patch: Patch, module: object) -> None:
+    """An ``on_import`` patch, once its module is imported; a missing target is logged
+    (the feature's other patches are in place by then)."""
+    try:
+        _install(patch, *resolve(patch))
+    except TargetMissing as exc:
+        logger.warning("vllm-mla: patch %s not applied: %s", patch.name, exc)
+        return
+    logger.debug("vllm-mla: patch %s applied on import of %s", patch.name, patch.module)
 
 
 def revert() -> None:
@@ -469,3 +533,4 @@ def revert() -> None:
     for owner, attr, original in _applied.values():
         setattr(owner, attr, original)
     _applied.clear()
+    on_import.cancel()

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from vllm_mla.ops.dcp import DCPShard
-from vllm_mla.vllm.sparse import indexer
+from vllm_mla.vllm.sparse import indexer, kpool_indexer
 
 logger = logging.getLogger("vllm_mla")
 PREFILL_KERNEL = "vllm.v1.attention.backends.mla.indexer.BuildPrefillChunkMetadataKernel.kernel"
@@ -109,7 +109,7 @@ def register() -> str:
         return _registered
     from vllm.triton_utils import HAS_TRITON
 
-    done = [indexer.register("cpu")]
+    done = [indexer.register("cpu"), kpool_indexer.register_on_import("cpu")]
     if not HAS_TRITON:
         from vllm.triton_utils.dispatcher import register_kernels
 

@@ -28,9 +28,10 @@ pool-granular, and of the tail ring, token-granular ``block * ring + pos % ring`
   table); rows of requests too short to hold a pool (vLLM builds no chunk for them) get
   their tail. Short contexts (``L <= topk``) get the same set vLLM's causal fill writes,
   in the reference's layout (``ops.kpool_indexer.reference``).
-- **Not wired by the plugin yet**: ``register(platform)`` installs it. Importing
-  GLM-5.3-Flash's package costs a vLLM process 3-8 s on a 2-core CPU, and the model has
-  not run end to end (its KDA layers have no vLLM CPU path; no GPU run yet).
+- **Wired lazily** (``register_on_import``, by the plugin's ``sparse-cpu`` and
+  ``sparse-indexer`` features): an import hook registers it when vLLM imports
+  GLM-5.3-Flash's indexer module, so other models' processes never import that package
+  (3-8 s on a 2-core CPU). ``register(platform)`` installs it at once.
 - **CPU** (``register("cpu")``): the torch reference (telemetry ``indexer:kpool:cpu``).
   **CUDA** (``register("cuda")``, ``VLLM_MLA_INDEXER`` as for the V3.2 indexer:
   ours where DeepGEMM is missing or the GPU is SM12x): the Triton kernels
@@ -57,7 +58,11 @@ Triton, each with its why / how / removal).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +71,7 @@ from vllm_mla.formats import INDEX_HEAD_DIM
 from vllm_mla.ops.kpool_indexer import api
 from vllm_mla.ops.kpool_indexer.reference import compressed_slot_mapping as reference_slots
 from vllm_mla.ops.kpool_indexer.reference import expand_pools_and_tail, quantize_query
-from vllm_mla.vllm import telemetry
+from vllm_mla.vllm import on_import, telemetry
 from vllm_mla.vllm.sparse import indexer as dsa_indexer
 
 BASE_MODULE = "vllm.models.glm5next.nvidia.sparse_indexer"
@@ -124,6 +129,53 @@ def compressed_slot_mapping_kernel(
     compressed_slot_mapping_ptr[tokens] = out.to(compressed_slot_mapping_ptr.dtype)
 
 
+def fused_q_kv_rmsnorm_kernel(
+    q_ptr: torch.Tensor,
+    q_out_ptr: torch.Tensor,
+    q_weight_ptr: torch.Tensor,
+    q_in_stride: int,
+    q_out_stride: int,
+    kv_ptr: torch.Tensor,
+    kv_out_ptr: torch.Tensor,
+    kv_weight_ptr: torch.Tensor,
+    kv_in_stride: int,
+    kv_out_stride: int,
+    eps: float,
+    Q_SIZE: int,  # the kernel's own parameter names: launches bind by name
+    KV_SIZE: int,
+    BLOCK_SIZE: int = 0,
+    launch_pdl: bool = False,
+) -> None:
+    """``FusedQKVRMSNormKernel``'s outputs: each row of ``q`` and of ``kv`` RMS-normalized
+    with its weight, one ``eps`` for both (the kernel's), in fp32 with one cast at the
+    store, as the kernel computes."""
+    for x, out, weight, size in (
+        (q_ptr, q_out_ptr, q_weight_ptr, Q_SIZE),
+        (kv_ptr, kv_out_ptr, kv_weight_ptr, KV_SIZE),
+    ):
+        rows = x[:, :size].float()
+        normed = rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+        out[:, :size] = (normed * weight[:size].float()).to(out.dtype)
+
+
+_TRITON_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+def _launched_by_name(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, also taking Triton's launch options (dropped). vLLM's ``KernelOverride``
+    forwards a launch by keyword only when the stand-in's parameters are exactly the
+    kernel's (its signature, which ``functools.wraps`` keeps), and a jit-warmup launch
+    passes ``num_warps`` among them."""
+
+    @functools.wraps(fn)
+    def launch(**kwargs: object) -> None:
+        for option in _TRITON_LAUNCH_OPTIONS:
+            kwargs.pop(option, None)
+        fn(**kwargs)
+
+    return launch
+
+
 @dataclass(frozen=True)
 class StandIn:
     """One vLLM Triton kernel served by a torch stand-in on CPU (``register_kernels``)."""
@@ -155,6 +207,16 @@ STAND_INS: tuple[StandIn, ...] = (
         how="ops.kpool_indexer.reference.compressed_slot_mapping of each token's state, "
         "with the kernel's PAD rule (a PAD token slot stays PAD) and DCP-local positions",
         removal="when vLLM registers a CPU CompressedSlotMappingKernel",
+    ),
+    StandIn(
+        kernel="vllm.models.common.ops.fused_qk_rmsnorm.FusedQKVRMSNormKernel.kernel",
+        impl=_launched_by_name(fused_q_kv_rmsnorm_kernel),
+        why="GLM-5.3-Flash's MLA layers ask vLLM's MLA wrapper for fuse_qkv_rmsnorm=True "
+        "(glm5next/common/attention.py), whose q_a / kv_a RMSNorm is this Triton kernel "
+        "on every platform",
+        how="fp32 RMSNorm of each q / kv row with its weight and the kernel's one eps, cast "
+        "once at the store",
+        removal="when vLLM CPU runs fused_q_kv_rmsnorm without Triton",
     ),
 )
 
@@ -512,7 +574,10 @@ def register_stand_ins() -> str:
     missing = {n: impl for n, impl in wanted.items() if not _installed(dispatcher, n, impl)}
     if missing:  # a second registration would wrap our own wrapper
         dispatcher.register_kernels(missing)
-    return "kpool query quantization and pool slot mapping in torch (register_kernels)"
+    return (
+        "kpool query quantization, pool slot mapping and the fused q/kv RMSNorm in torch "
+        "(register_kernels)"
+    )
 
 
 def register(platform: str) -> str:
@@ -548,13 +613,30 @@ def register(platform: str) -> str:
     return _registered
 
 
+def register_on_import(platform: str) -> str:
+    """Install the portable kpool indexer when vLLM imports GLM-5.3-Flash's indexer
+    module (what loading a ``Glm5Next*`` model does, before any layer is built), so
+    processes serving other models never pay that import (3-8 s on a 2-core CPU); at
+    once if it is imported already. What happened, for the log."""
+    if BASE_MODULE in sys.modules:
+        return register(platform)
+
+    def _register(module: object) -> None:
+        logging.getLogger("vllm_mla").info("vllm-mla: %s", register(platform))
+
+    on_import.when_imported(BASE_MODULE, _register)
+    return f"kpool indexer: registered when {BASE_MODULE} is imported (a GLM-5.3-Flash model)"
+
+
 __all__ = [
     "STAND_INS",
     "compressed_slot_mapping_kernel",
+    "fused_q_kv_rmsnorm_kernel",
     "fwht_quant",
     "make_indexer",
     "refusals",
     "register",
+    "register_on_import",
     "register_stand_ins",
     "select",
     "step_groups",
