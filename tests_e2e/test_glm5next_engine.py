@@ -11,7 +11,8 @@ every pool and the tail are selected whatever the fp8 scores: the comparison doe
 depend on the indexer's near-ties (``tests_vllm/test_kpool_indexer_*`` test its selection).
 The engine serves it in bf16, as vLLM's GLM-5-next code requires; KV cache ``bfloat16``
 (512-wide records) and ``fp8`` (``fp8_ds_mla``, 656-byte records with an empty RoPE slot);
-three prompts in one batch, then ``reload_weights`` with a second checkpoint.
+three prompts in one batch, then ``reload_weights`` with a second checkpoint; and the
+bf16-record engine again at TP 2 (marker ``topology``).
 
 The reference (``glm5next_reference``) is transformers' own GLM-5-next layers in fp32 with
 vLLM's non-mHC residual and the latent rounded through the cache records.
@@ -76,6 +77,13 @@ def glm5_engine(glm5_models, tmp_path_factory) -> dict[str, dict]:
     """{"bfloat16"|"fp8": the tiny GLM-5.3-Flash through B12X_MLA_SPARSE, TP 1, bf16}."""
     jobs = sparse_jobs(glm5_models, engine={"dtype": "bfloat16"})
     return run_engine_jobs(jobs, tmp_path_factory.mktemp("glm5next-engine"))
+
+
+@pytest.fixture(scope="session")
+def glm5_tp2(glm5_models, tmp_path_factory) -> dict:
+    """The bf16-record engine at TP 2 (one CPU core per rank), first and reloaded."""
+    jobs = sparse_jobs(glm5_models, engine={"dtype": "bfloat16", "tensor_parallel_size": 2})
+    return run_engine_jobs({"tp2": jobs["bfloat16"]}, tmp_path_factory.mktemp("glm5-tp2"))["tp2"]
 
 
 @pytest.fixture(scope="session")
@@ -207,3 +215,26 @@ def test_reload_serves_the_second_checkpoint_at_the_same_addresses(
     assert_match(report["reloaded"], want, "bfloat16", BF16_MEDIAN_TOL)
     first = reference(glm5_models["first"], prompt_ids, MAX_TOKENS, "bf16")
     assert not compare(report["reloaded"], first).same_tokens  # the reload changed the model
+
+
+@pytest.mark.topology
+@pytest.mark.parametrize("phase", ["first", "reloaded"])
+def test_tp2_matches_the_reference_with_half_the_heads_per_rank(
+    glm5_models, glm5_tp2, prompt_ids, phase
+):
+    """TP 2: each rank holds 2 of the 4 heads' pairs at the same addresses after the reload,
+    ran our kpool indexer, backend and writer on every MLA call, and the generation matches
+    the reference as TP 1's does (a TP all-reduce adds bf16 partial sums in another order:
+    within the bf16 error model above)."""
+    model = glm5_models["first" if phase == "first" else "second"]
+    want = reference(model, prompt_ids, MAX_TOKENS, "bf16")
+    assert_match(glm5_tp2[phase], want, "bfloat16", BF16_MEDIAN_TOL)
+    states = glm5_tp2[f"states_{phase}"]
+    assert len({s["telemetry"]["pid"] for s in states}) == 2
+    for before, state in zip(glm5_tp2["states_first"], states, strict=True):
+        assert state["pointers"] == before["pointers"]
+        assert [shape[0][0] for shape in state["pair_shapes"].values()] == [2] * LAYERS
+        counts = state["telemetry"]["sparse"]
+        calls = counts["forward_mqa:reference"]
+        assert counts["indexer:kpool:cpu"] == calls == counts["kv_write:bf16"]
+        assert calls >= MAX_TOKENS * LAYERS
