@@ -31,8 +31,9 @@
 #          benchmarks/decode_path.py: bmm (BF16 pair) vs safe vs direct (MXFP8 views) at GLM-5
 #          TP4/TP8 and DeepSeek-V3 TP8 shapes, graph capture + replay, fused vs staged query,
 #          host overhead of the route.
-#   indexer (step timeouts 120 + 300 s): tests/test_sparse_indexer_triton.py on the GPU
-#          (kernels vs the torch oracle, CUDA-graph capture), then
+#   indexer (step timeouts 120 + 90 + 300 s): tests/test_sparse_indexer_triton.py on the
+#          GPU (kernels vs the torch oracle, CUDA-graph capture), the kpool indexer's
+#          Triton tests (GLM-5.3-Flash: pool compression at 4096 pools of 16, pool top-k), then
 #          benchmarks/sparse_indexer.py: selections vs the oracle at DeepSeek-V3.2 / GLM-5
 #          shapes to 128k, graph replay with changing inputs, decode time vs vLLM's DeepGEMM
 #          indexer where it runs, % of the copy roofline.
@@ -208,6 +209,9 @@ if want indexer; then
 step "DSA indexer kernels on the GPU: vs the torch oracle, CUDA-graph capture"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_sparse_indexer_triton.py \
   2>&1 | tee "$OUT/sparse_indexer_tests.txt" | tail -5
+step "kpool indexer (GLM-5.3-Flash) pool compression and pool top-k on the GPU vs the oracle"
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_kpool_indexer.py -k triton \
+  2>&1 | tee "$OUT/kpool_indexer_tests.txt" | tail -5
 step "DSA indexer: selections at DeepSeek-V3.2 / GLM-5 shapes, graph replay, speed vs vLLM"
 timeout 300 "$PY" benchmarks/sparse_indexer.py --out "$OUT/sparse_indexer.json" 2>&1 \
   | tee "$OUT/sparse_indexer.txt"
