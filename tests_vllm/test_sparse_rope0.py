@@ -25,7 +25,7 @@ from test_sparse_backend import (  # noqa: F401
 from test_sparse_refusals import current, glm_5_3_flash, mla_attention  # noqa: F401
 
 from vllm_mla.formats import LATENT
-from vllm_mla.ops.sparse_mla import logical_to_physical, sparse_mla_reference
+from vllm_mla.ops.sparse_mla import logical_to_physical, pack_rows, sparse_mla_reference
 from vllm_mla.ops.sparse_mla.formats import FP8_ROPE_OFFSET, record_width
 from vllm_mla.vllm.sparse.impl import B12XMLASparseImpl
 from vllm_mla.vllm.sparse.served import topk_buffer_width
@@ -107,6 +107,35 @@ def test_forward_through_vllms_layer_matches_a_float64_hand_computation(
         # out is fp32 rounded once to bf16 (<= 2**-9 relative, rtol 2**-8 leaves 2x); the
         # fp32 softmax of <= 4 exact dots is within ~1e-6 of float64 (atol 1e-5 leaves 10x)
         torch.testing.assert_close(out[t].double(), want, rtol=2.0**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "bfloat16"])
+def test_the_writer_stores_what_the_reference_rounds_for_any_latent(
+    current,  # noqa: F811
+    monkeypatch,
+    kv_cache_dtype,
+):
+    """Random bf16 latents (off any grid, as a served model's are), written by the layer's
+    impl at rope 0 to shuffled slots, are byte for byte ``pack_rows`` of the same values at
+    those slots. On CPU the impl packs with that same function (the one the end-to-end
+    references round through), so this pins the writer's plumbing: slots, the 0-wide
+    k_pe, bf16 input; the packer's own rule is tests/test_sparse_mla_kv_format.py's. On CUDA
+    vLLM's concat_and_cache_mla writes (not run here)."""
+    layer, _ = flash_layer(current, monkeypatch, kv_cache_dtype)
+    fmt = layer.impl.kv_format
+    rows = 2 * BLOCK
+    elems, dtype = record_width(fmt, 0)
+    cache = torch.zeros(2, BLOCK, elems, dtype=dtype)
+    gen = torch.Generator().manual_seed(3)
+    kv_c = torch.randn(rows, LATENT, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
+    kv_c = kv_c.bfloat16()
+    slots = torch.randperm(rows, generator=gen)
+    layer.impl.do_kv_cache_update(
+        kv_c, kv_c.new_empty(rows, 1, 0), cache, slots, kv_cache_dtype, None
+    )
+    want = pack_rows(kv_c.float(), torch.empty(rows, 0), fmt)
+    got = cache.view(rows, elems)[slots]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_the_triton_plan_launches_rope_0(current, cpu_session, monkeypatch):  # noqa: F811
