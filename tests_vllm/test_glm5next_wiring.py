@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_mla.vllm import on_import
+from vllm_mla.vllm import on_import, patches
 from vllm_mla.vllm.patches import PATCHES
 from vllm_mla.vllm.patches.cpu_glm5next_indexer_weights import make_init
 from vllm_mla.vllm.sparse import kpool_indexer
@@ -58,6 +58,19 @@ def test_cancel_drops_the_waiting_callbacks_and_the_hook(package):
     assert on_import.pending() == {} and not any(
         type(f).__module__ == on_import.__name__ for f in sys.meta_path
     )
+
+
+def test_cancelling_some_modules_keeps_the_others_waiting(package):
+    """The patch registry's ``revert`` cancels its own pending patches only; a registration
+    waiting for another module (the kpool indexer's) stays until the plugin's ``reset``."""
+    seen = []
+    on_import.when_imported(package, lambda m: seen.append(m.VALUE))
+    on_import.when_imported("hooked_pkg.other", lambda m: pytest.fail("cancelled"))
+    on_import.cancel({"hooked_pkg.other"})
+    patches.revert()
+    assert on_import.pending() == {package: 1}
+    __import__(package)
+    assert seen == [41]
 
 
 def test_the_indexer_patch_keeps_the_projection_weight():

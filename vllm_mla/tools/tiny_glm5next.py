@@ -17,7 +17,7 @@ What differs, and why:
   (``MHCPreOp`` / ``MHCFusedPostPreOp``: ``forward_cpu`` and ``forward_native``) accept
   bf16 activations only and ignore the ``norm_weight`` the decoder layer passes them,
   dropping the layer's input RMSNorm, so an mHC checkpoint is another model on vLLM CPU
-  whatever serves its attention (``tests_vllm/test_glm5next_cpu_gaps.py`` pins both).
+  whatever serves its attention (``tests_vllm/test_glm5next_wiring.py`` pins both).
 - **Dense MLPs** (``mlp_layer_types`` all ``dense``): the MoE is vLLM's fused-MoE path,
   which the HY-V4 checkpoint exercises; ``n_routed_experts`` stays set because vLLM
   reads it.
@@ -26,7 +26,7 @@ What differs, and why:
   parameter), so it is served in bf16; every weight lies on the bf16 grid, so a fp32
   reference computes with exactly the weights vLLM holds.
 - ``swiglu_limit`` is far above any activation of these weights (both vLLM and
-  transformers clamp there; the clamp never engages).
+  transformers clamp there; the clamp never engages): ``tinymodel.SWIGLU_LIMIT``.
 
 Tensors carry the checkpoint names vLLM loads (``indexer.index_kpool_compress_gate``,
 ``kv_a_proj_with_mqa`` without RoPE rows, ...).
@@ -38,16 +38,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_mla.formats import LATENT
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from vllm_mla.tools.tinymodel import TinyModelSpec
 
-KV_LORA_RANK = 512
 QK_NOPE = 256  # GLM-5.3-Flash's qk_nope_head_dim = v_head_dim, and no RoPE
 V_HEAD = 256
 KPOOL = 16  # GLM-5.3-Flash's index_kpool
-SWIGLU_LIMIT = 1000.0  # far above any activation here: the clamp never engages
 
 
 def config_fields(spec: TinyModelSpec) -> dict:
@@ -74,7 +74,6 @@ def config_fields(spec: TinyModelSpec) -> dict:
         "mhc": False,
         "hc_mult": 1,
         "hc_eps": 1e-6,
-        "swiglu_limit": SWIGLU_LIMIT,
         "torch_dtype": "bfloat16",
     }
 
@@ -95,9 +94,9 @@ def weights(
             f"{a}.q_a_proj.weight": normal(r, d),
             f"{a}.q_a_layernorm.weight": torch.ones(r),
             f"{a}.q_b_proj.weight": normal(h * QK_NOPE, r),
-            f"{a}.kv_a_proj_with_mqa.weight": normal(KV_LORA_RANK, d),
-            f"{a}.kv_a_layernorm.weight": torch.ones(KV_LORA_RANK),
-            f"{a}.kv_b_proj.weight": normal(h * (QK_NOPE + V_HEAD), KV_LORA_RANK),
+            f"{a}.kv_a_proj_with_mqa.weight": normal(LATENT, d),
+            f"{a}.kv_a_layernorm.weight": torch.ones(LATENT),
+            f"{a}.kv_b_proj.weight": normal(h * (QK_NOPE + V_HEAD), LATENT),
             f"{a}.o_proj.weight": normal(d, h * V_HEAD),
             f"{ix}.wq_b.weight": normal(n * hd, r),
             f"{ix}.wk.weight": normal(hd, d),

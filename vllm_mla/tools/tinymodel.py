@@ -61,10 +61,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from vllm_mla.formats import LATENT
 from vllm_mla.quant import fp8_block, mxfp8
 from vllm_mla.tools import tiny_glm5next
 
-KV_LORA_RANK = 512
+KV_LORA_RANK = LATENT
 QK_ROPE = 64
 QK_NOPE = 128
 V_HEAD = 128
@@ -74,7 +75,7 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 ARCHS = ("deepseek", "hy-v4", "glm5-next")
 HYV4_QK_NOPE = 192  # HY-V4's qk_nope_head_dim and v_head_dim (DeepSeek's are 128 / 128)
 HYV4_V_HEAD = 256
-HYV4_SWIGLU_LIMIT = 1000.0  # far above any expert activation here: the clamp never engages
+SWIGLU_LIMIT = 1000.0  # far above any (expert) activation here: the clamp never engages
 
 
 class MakeModelError(ValueError):
@@ -279,7 +280,7 @@ def hyv4_indexer_types(layers: int) -> list[str]:
 
 def dsa_model_fields(spec: TinyModelSpec, vocab: int) -> dict:
     """The config fields HY-V4's and GLM-5.3-Flash's configs share: sizes, MoE routing,
-    q LoRA, the indexer's heads and top-k, the special tokens."""
+    q LoRA, the indexer's heads and top-k, the SwiGLU clamp, the special tokens."""
     return {
         "vocab_size": vocab,
         "hidden_size": spec.hidden,
@@ -306,6 +307,7 @@ def dsa_model_fields(spec: TinyModelSpec, vocab: int) -> dict:
         "index_topk": spec.index_topk,
         "index_head_dim": spec.index_head_dim,
         "index_n_heads": spec.index_heads,
+        "swiglu_limit": SWIGLU_LIMIT,
         "num_nextn_predict_layers": 0,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -337,7 +339,6 @@ def hyv4_config_dict(spec: TinyModelSpec, vocab: int) -> dict:
         "gating_type": "elementwise",
         "learnable_sink": True,
         "learnable_sink_init": 0.0,
-        "swiglu_limit": HYV4_SWIGLU_LIMIT,
         "enable_lm_head_fp32": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "torch_dtype": "float32",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 
 Callback = Callable[[ModuleType], None]
@@ -69,10 +69,12 @@ def pending() -> dict[str, int]:
     return {name: len(callbacks) for name, callbacks in _pending.items()}
 
 
-def cancel() -> None:
-    """Drop every waiting callback and the hook (tests; the plugin's ``reset``)."""
-    _pending.clear()
-    if _FINDER in sys.meta_path:
+def cancel(names: Iterable[str] | None = None) -> None:
+    """Drop the callbacks waiting for ``names`` (None: every one); the hook leaves once
+    none waits (the patch registry's ``revert``, the plugin's ``reset``, tests)."""
+    for name in list(_pending) if names is None else names:
+        _pending.pop(name, None)
+    if not _pending and _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
 
 

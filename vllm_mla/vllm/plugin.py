@@ -103,6 +103,9 @@ def reset() -> None:
     from vllm_mla.vllm import patches
 
     patches.revert()
+    from vllm_mla.vllm import on_import
+
+    on_import.cancel()  # registrations still waiting for a model's import (kpool indexer)
     from vllm_mla.vllm.wake_check import STATE
 
     STATE.reset()

@@ -533,4 +533,4 @@ def revert() -> None:
     for owner, attr, original in _applied.values():
         setattr(owner, attr, original)
     _applied.clear()
-    on_import.cancel()
+    on_import.cancel({p.module for p in PATCHES if p.on_import})  # patches not yet applied
