@@ -251,10 +251,16 @@ def install_common_stubs(stubs: Stubs) -> None:
 
 # -- the vLLM side: one config per head count ---------------------------------------------
 def init_vllm_process() -> None:
-    """One-process gloo group (vLLM's impls read TP/DCP groups) and the workspace manager."""
+    """One-process gloo group (vLLM's impls read TP/DCP groups) and the workspace manager.
+    Off a GPU (the CPU smoke run), what the CUDA wheel lacks in CPU platform mode is stood
+    in for first (``vllm_mla.vllm.cpu_platform_mode``: vLLM 0.34's triton-cpu gate)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.v1.worker import workspace
+
+    from vllm_mla.vllm import cpu_platform_mode
+
+    cpu_platform_mode.install()
 
     bootstrap = make_config(16, 64, 4096)
     with set_current_vllm_config(bootstrap):

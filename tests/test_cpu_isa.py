@@ -104,3 +104,28 @@ def test_the_start_up_hook_never_raises_on_a_bad_value():
         env={**os.environ, "VLLM_MLA_CPU_ISA": "avx3"},
     )
     assert result.returncode == 0 and result.stdout.strip() == "None"
+
+
+def test_amx_claims_avx512_bf16_and_amx_and_leaves_torchs_kernels_alone():
+    """``amx`` is the one claiming level: torch.cpu reports AVX-512 BF16 and AMX tiles
+    whatever the host has, so vLLM's Python decisions take an AMX host's branches; torch's
+    own kernel choice is not capped (nothing may run AMX it does not have)."""
+    seen = run("amx")
+    assert seen["level"] == seen["applied"] == "amx"
+    assert seen["avx512"] and seen["avx512_bf16"] and seen["amx"]
+    assert seen["capability"] == run("native")["capability"]
+
+
+def test_amx_is_refused_beside_vllm_cpu_kernels_on_a_host_without_amx(monkeypatch):
+    """vLLM CPU's libraries would execute the claimed AMX instructions: refused, named."""
+    from vllm_mla import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "_applied", None)
+    monkeypatch.setattr(cpu_isa, "host_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(cpu_isa, "vllm_cpu_libraries", lambda: ["_C_AVX2.abi3.so"])
+    with pytest.raises(ValueError, match=r"claims AMX tiles this host lacks.*_C_AVX2\.abi3\.so"):
+        cpu_isa.apply("amx")
+    assert cpu_isa.applied() is None  # nothing claimed
+    # an AMX host: the claim changes nothing, so nothing is refused
+    monkeypatch.setattr(cpu_isa, "host_flags", lambda: frozenset({"amx_tile"}))
+    cpu_isa._refuse_claim_over_kernels("amx")

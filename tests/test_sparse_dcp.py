@@ -393,19 +393,19 @@ def indexer_step(n: int, interleave: int, seed: int = 0, topk: int = 16):
         ks, ke = torch.empty(3, dtype=torch.int32), torch.empty(3, dtype=torch.int32)
         local_len = shard.local_length(torch.tensor([LENGTHS[0]]))
         local_cu = torch.tensor([0, int(local_len)], dtype=torch.int32)
-        cpu.build_prefill_chunk_metadata(
-            torch.tensor([0, 3]),
-            torch.tensor([LENGTHS[0]]),
-            torch.tensor([0, LENGTHS[0]]),
-            local_cu,
-            torch.empty(LENGTHS[0], dtype=torch.int32),
-            ks,
-            ke,
-            0,
-            3,
-            shard.rank,
-            shard.size,
-            shard.interleave,
+        cpu.build_prefill_chunk_metadata(  # by vLLM's kernel parameter names
+            query_start_loc_ptr=torch.tensor([0, 3]),
+            uncompressed_seq_lens_ptr=torch.tensor([LENGTHS[0]]),
+            cu_compressed_seq_lens_ptr=torch.tensor([0, LENGTHS[0]]),
+            row_start_cu_compressed_seq_lens_ptr=local_cu,
+            token_to_seq_ptr=torch.empty(LENGTHS[0], dtype=torch.int32),
+            cu_compressed_seq_len_ks_ptr=ks,
+            cu_compressed_seq_len_ke_ptr=ke,
+            query_slice_start=0,
+            query_slice_stop=3,
+            DCP_RANK=shard.rank,
+            DCP_WORLD=shard.size,
+            DCP_INTERLEAVE=shard.interleave,
         )
         chunk = SimpleNamespace(
             token_start=2,

@@ -22,7 +22,7 @@ from vllm_layers import V_DIM as V
 from vllm_layers import Variant
 
 from vllm_mla import cpu_isa
-from vllm_mla.vllm import plugin
+from vllm_mla.vllm import cpu_platform_mode, plugin
 
 __all__ = ["L", "N", "P", "V", "kv_b_proj", "mla_layer", "model_with", "reload_through_vllm"]
 
@@ -46,6 +46,8 @@ def pytest_configure(config):
     import torch._inductor.config
 
     torch._inductor.config.cpp.simdlen = 256
+    # what the CUDA wheel lacks in CPU platform mode (nothing on vLLM CPU): see the module
+    cpu_platform_mode.install()
 
 
 def pytest_report_header(config):
@@ -57,9 +59,11 @@ def pytest_report_header(config):
     current_platform.import_kernels()
     host = cpu_host.describe()
     loaded = ", ".join(host["loaded_libraries"]) or "none (this vLLM build has no CPU kernels)"
+    stand_ins = ", ".join(cpu_platform_mode.installed()) or "none"
     return (
         f"CPU: VLLM_MLA_CPU_ISA={host['isa']}; vLLM kernel library loaded: {loaded} "
-        f"(the features seen ask for {host['expected_library']}); AMX: {host['amx']}"
+        f"(the features seen ask for {host['expected_library']}); AMX: {host['amx']}; "
+        f"CPU platform mode stand-ins: {stand_ins}"
     )
 
 

@@ -39,14 +39,14 @@ pytestmark = pytest.mark.usefixtures("no_default_quant_scales")
 def upstream_pair(variant, seed=0):
     layer = mla_layer(build_kv_b_proj(variant, seed))
     with torch.no_grad():
-        STOCK(layer, torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16, STOCK)
     return {n: getattr(layer, n) for n in PAIR}
 
 
 def post_load(layer, dtype=torch.bfloat16):
     telemetry.reset()
     with torch.no_grad():
-        layer.process_weights_after_loading(dtype)
+        vllm_layers.post_load(layer, dtype)
     return [action for _, action in telemetry.snapshot()["post_load"]]
 
 

@@ -35,6 +35,12 @@ def b12x() -> types.ModuleType:
     return importlib.import_module(b12x_runner.B12X_MODULE)
 
 
+def test_the_installed_b12x_is_the_release_the_runner_declares():
+    from importlib.metadata import version
+
+    assert version("b12x") == b12x_runner.B12X_VERSION
+
+
 @pytest.mark.parametrize("name", sorted(b12x_runner.B12X_FUNCTIONS))
 def test_each_called_function_takes_the_declared_parameters(b12x, name):
     positional, keywords = b12x_runner.B12X_FUNCTIONS[name]

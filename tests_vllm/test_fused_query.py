@@ -125,6 +125,7 @@ def make_impl(backend: str, monkeypatch, recorder: Recorder, kv_cache_dtype: str
         dcp_rank=0,
         need_to_return_lse_for_decode=False,
         supports_quant_query_input=IMPLS[backend][3],
+        decode_sliding_window=None,  # vLLM 0.34's Triton MLA (no sliding window here)
     )
     impl.process_weights_after_loading = lambda act_dtype: None
     if backend == "FLASHMLA":
@@ -184,6 +185,7 @@ def make_layer(backend, impl, kv_cache_dtype, dtype=torch.bfloat16):
         use_pcp=False,
         use_direct_call=False,
         dcp_manager=None,
+        W_UV_dcp=None,  # vLLM 0.34 (its DCP v-up-projection combine's gathered W_UV)
         prefill_backend=None,
         layer_name="model.layers.0.self_attn.attn",
         _q_scale_float=0.05,
@@ -455,7 +457,7 @@ def test_post_load_binds_every_load_and_reload(monkeypatch, fused_env):
     layer = model.attn
     telemetry.reset()
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     assert telemetry.snapshot()["query"] == {"bind:forward_mqa:torch": 1}
     first = layer.W_UK_T
     assert isinstance(first, AbsorbedWeight) and first.fusion is not None
@@ -469,21 +471,35 @@ def test_post_load_binds_every_load_and_reload(monkeypatch, fused_env):
     assert not getattr(layer.forward_impl.__wrapped__, fused_query.WRAPPED, False)
 
 
+def _flat(source: str) -> str:
+    """Source with its whitespace folded (line breaks and indentation differ by version)."""
+    return " ".join(source.split())
+
+
 def test_vllm_source_is_what_the_consumers_rely_on():
-    """forward_impl's decode branch: the bmm into a token-major buffer, then the FP8 op or
-    the tuple, with no reader between (DCP excluded by the gate); the wrapped impls
-    concatenate a tuple before anything else reads q."""
+    """The decode branch: the bmm into a token-major buffer, then the FP8 op or the tuple,
+    with no reader between (DCP excluded by the gate), then forward_mqa (0.34: through
+    ``_prepare_mqa_query``, with only ShardQ between, excluded by the gate too); the
+    wrapped impls concatenate a tuple before anything else reads q."""
     mla = importlib.import_module(MLA)
-    source = inspect.getsource(mla.MLAAttention.forward_impl)
+    forward = _flat(inspect.getsource(mla.MLAAttention.forward_impl))
+    prepare_fn = getattr(mla.MLAAttention, "_prepare_mqa_query", None)
+    query = forward if prepare_fn is None else _flat(inspect.getsource(prepare_fn))
     bmm = "torch.bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope.transpose(0, 1))"
-    op = (
-        "mqa_q = self._decode_concat_quant_fp8_op(\n"
-        "                    mqa_ql_nope, mqa_q_pe, self._q_scale\n                )"
-    )
-    assert bmm in source and op in source and "mqa_q = (mqa_ql_nope, mqa_q_pe)" in source
-    between = source[source.index(bmm) + len(bmm) : source.index("self.impl.forward_mqa(mqa_q")]
+    op = "mqa_q = self._decode_concat_quant_fp8_op( mqa_ql_nope, mqa_q_pe, self._q_scale )"
+    assert bmm in query and op in query and "mqa_q = (mqa_ql_nope, mqa_q_pe)" in query
+    end = "self.impl.forward_mqa(mqa_q" if prepare_fn is None else "return mqa_q"
+    between = query[query.index(bmm) + len(bmm) : query.index(end)]
     assert between.count("mqa_ql_nope") == 5  # the two shape asserts, the op, the tuple
     assert "torch.cat(mqa_q" in between and "dcp_world_size > 1" in between
+    if prepare_fn is not None:  # vLLM 0.34: forward_impl's call, then only ShardQ
+        call = "mqa_q = self._prepare_mqa_query(q[:num_mqa_tokens], qrep_decode=False)"
+        consumer = "attn_out, lse = self.impl.forward_mqa(mqa_q, kv_cache, mqa_metadata, self)"
+        after = forward[forward.index(call) + len(call) : forward.index(consumer)]
+        sharded = "if shardq is not None: decode_q, mqa_q = shard_q(mqa_q, shardq)"
+        assert sharded in after and after.replace(sharded, "").count("mqa_q") == 0
+        shardq = _flat(inspect.getsource(mla.MLAAttention.__init__))
+        assert "self.use_shardq = shardq_eligible and" in shardq
     for backend, (name, cls_name, *_) in IMPLS.items():
         try:
             module = importlib.import_module(f"{BACKENDS}.{name}")
@@ -492,8 +508,20 @@ def test_vllm_source_is_what_the_consumers_rely_on():
         body = inspect.getsource(getattr(module, cls_name).forward_mqa)
         cat = body.index("torch.cat(")
         assert "tuple" in body[:cat], backend
-    fp8 = inspect.getsource(mla._DecodeConcatQuantFP8)
-    assert "def forward(\n            self,\n            decode_ql_nope" in fp8
+    fp8 = _flat(inspect.getsource(mla._DecodeConcatQuantFP8))
+    assert "def forward( self, decode_ql_nope" in fp8
+
+
+def test_shardq_layers_are_not_fused(monkeypatch, fused_env):
+    """vLLM 0.34's ShardQ slices mqa_q between the projection and forward_mqa: a layer with
+    it on keeps the staged query."""
+    fused_env("fused", interpret=False)
+    impl = make_impl("CPU_MLA", monkeypatch, Recorder(), "auto")
+    layer = make_layer("CPU_MLA", impl, "auto")
+    assert fused_query.plan(layer).consumer == "forward_mqa"
+    layer.use_shardq = True
+    decided = fused_query.plan(layer)
+    assert decided.consumer is None and "ShardQ" in decided.why
 
 
 def test_dsa_row_layout_hands_b12x_one_buffer(monkeypatch, fused_env):

@@ -116,9 +116,12 @@ class Rig:
             for _, p in self.indexer.named_parameters():
                 scale = p.shape[-1] ** -0.5 if p.dim() > 1 else 1.0
                 p.copy_((torch.randn(p.shape, generator=self.gen) * scale).to(p.dtype))
-        for m in self.indexer.modules():  # vLLM's post-load binds the CPU GEMM
-            if getattr(m, "quant_method", None) is not None:
-                m.quant_method.process_weights_after_loading(m)
+        # vLLM's own post-load pass: the quant methods bind the CPU GEMM; 0.34 then runs the
+        # modules' own hooks (the Indexer builds its fp32 head-gate projection there)
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        with set_current_vllm_config(config), torch.no_grad():
+            process_weights_after_loading(self.indexer, config.model_config, torch.device("cpu"))
         self.op = self.indexer.indexer_op
         pool_spec = self.indexer.k_cache.get_kv_cache_spec(config)
         tail_spec = self.indexer.tail_cache.get_kv_cache_spec(config)

@@ -55,7 +55,7 @@ def pair(layer):
 def upstream(build, seed=0):
     layer = build(seed)
     with torch.no_grad():
-        STOCK(layer, torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16, STOCK)
     return layer
 
 
@@ -70,7 +70,7 @@ def test_pair_is_bit_identical_to_upstream(registered, variant, built, backend):
     layer = built(backend=backend, dense_prefill=backend is None)
     telemetry.reset()
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     ((_, action),) = telemetry.snapshot()["post_load"]
     assert action in ("materialized", "aliased"), action
     for ours, theirs in zip(pair(layer), pair(upstream(built)), strict=True):
@@ -81,7 +81,7 @@ def test_pair_is_bit_identical_to_upstream(registered, variant, built, backend):
 def test_release_frees_every_source_tensor(registered, variant, built):
     layer = built(backend=SPARSE, dense_prefill=False)
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     row = Ledger().add_layer(layer)
     assert row["source"] == 0 and row["packed"] == 0
     for tensor in vllm_layers.layer_tensors(layer).values():
@@ -93,7 +93,7 @@ def test_released_parameters_keep_their_objects_and_loaders(registered, variant,
     params = dict(layer.kv_b_proj.named_parameters())
     loaders = {n: getattr(p, "weight_loader", None) for n, p in params.items()}
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     for name, param in layer.kv_b_proj.named_parameters():
         assert param is params[name] and type(param) is type(params[name])
         assert getattr(param, "weight_loader", None) is loaders[name]
@@ -103,7 +103,7 @@ def test_release_is_refused_with_dense_mha_prefill(registered, variant, built):
     layer = built(backend=SPARSE, dense_prefill=True)
     before = vllm_layers.snapshot(layer)
     with pytest.raises(ReleaseRefusedError, match="MHA prefill"), torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     assert vllm_layers.same_as(layer, before) == []
 
 
@@ -111,7 +111,7 @@ def test_release_is_refused_with_dense_mha_prefill(registered, variant, built):
 def test_vllm_reload_keeps_addresses_and_takes_new_values(registered, variant, built, backend):
     model = vllm_layers.build_model(variant, backend=backend, dense_prefill=backend is None)
     with torch.no_grad():
-        model.attn.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(model.attn, torch.bfloat16)
     before = [t.data_ptr() for t in pair(model.attn)]
     vllm_layers.reload_through_vllm(model, variant, seed=2)
     assert [t.data_ptr() for t in pair(model.attn)] == before
@@ -138,10 +138,10 @@ def test_qualify_models_the_real_layer(registered, variant, built, tmp_path):
     assert report["checks"]["parity_ok"] and not report["notes"][1:]
     base = built()
     with torch.no_grad():
-        STOCK(base, torch.bfloat16)
+        vllm_layers.post_load(base, torch.bfloat16, STOCK)
     lean = built(backend=SPARSE, dense_prefill=False)
     with AllocationTrace() as trace, torch.no_grad():
-        lean.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(lean, torch.bfloat16)
     measured = {"baseline": Ledger().add_layer(base), "lean": Ledger().add_layer(lean)}
     for phase, row in measured.items():
         for owner in ("absorbed", "source", "packed"):
@@ -189,7 +189,7 @@ def _assert_one_clear_error(info, layer, site: tuple[str, str]) -> None:
 def test_a_fault_at_every_step_leaves_the_layer_as_it_was(registered, variant, built, backend):
     kwargs = {"backend": backend, "dense_prefill": backend is None}
     probe = built(**kwargs)
-    sites = _sites(lambda: probe.process_weights_after_loading(torch.bfloat16))
+    sites = _sites(lambda: vllm_layers.post_load(probe, torch.bfloat16))
     aliased = variant.dtype == torch.bfloat16 and variant.method == "unquantized" and not backend
     assert aliased or {kind for kind, _ in sites} >= {"alloc", "dequant", "copy"}
     assert not backend or aliased or "release" in {kind for kind, _ in sites}
@@ -197,11 +197,11 @@ def test_a_fault_at_every_step_leaves_the_layer_as_it_was(registered, variant, b
         layer = built(**kwargs)
         before = vllm_layers.snapshot(layer)
         with faults.inject(_fail_at(i)), pytest.raises(PostLoadError) as info, torch.no_grad():
-            layer.process_weights_after_loading(torch.bfloat16)
+            vllm_layers.post_load(layer, torch.bfloat16)
         _assert_one_clear_error(info, layer, sites[i])
         assert vllm_layers.same_as(layer, before) == [], f"fault at {sites[i]}"
         with torch.no_grad():
-            layer.process_weights_after_loading(torch.bfloat16)  # the retry succeeds
+            vllm_layers.post_load(layer, torch.bfloat16)  # the retry succeeds
         for ours, theirs in zip(pair(layer), pair(upstream(built)), strict=True):
             assert torch.equal(ours, theirs), f"retry after a fault at {sites[i]}"
         FAULT_SITES.record(variant.id, "post-load" if backend is None else "post-load, release")
@@ -213,7 +213,7 @@ def _reloading(build):
     about to run post-load again."""
     layer = build()  # an upstream backend: the source stays, reload refills in place
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     fresh = build(seed=5).kv_b_proj
     new = vllm_layers.layer_tensors(mla_layer(fresh))
     with torch.no_grad():
@@ -227,7 +227,7 @@ def _reloading(build):
 
 def _retry_succeeds_in_place(layer, addresses: list[int], want, site) -> None:
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     assert [t.data_ptr() for t in pair(layer)] == addresses, f"retry after a fault at {site}"
     for ours, theirs in zip(pair(layer), want, strict=True):
         assert torch.equal(ours, theirs), f"retry after a fault at {site}"
@@ -238,7 +238,7 @@ def test_a_fault_during_reload_keeps_the_live_pair(registered, variant, built):
     the new source in place, and the retry succeeds in place. (After a release, vLLM's
     reload itself is faulted: ``test_a_fault_in_vllms_reload_of_a_released_layer``.)"""
     probe = _reloading(built)
-    sites = _sites(lambda: probe.process_weights_after_loading(torch.bfloat16))
+    sites = _sites(lambda: vllm_layers.post_load(probe, torch.bfloat16))
     assert ("copy", "commit W_UK_T") in sites or variant.method == "unquantized"
     want = pair(upstream(built, seed=5))
     for i in range(len(sites)):
@@ -246,7 +246,7 @@ def test_a_fault_during_reload_keeps_the_live_pair(registered, variant, built):
         addresses = [t.data_ptr() for t in pair(layer)]
         before = vllm_layers.snapshot(layer)
         with faults.inject(_fail_at(i)), pytest.raises(PostLoadError) as info, torch.no_grad():
-            layer.process_weights_after_loading(torch.bfloat16)
+            vllm_layers.post_load(layer, torch.bfloat16)
         _assert_one_clear_error(info, layer, sites[i])
         assert vllm_layers.same_as(layer, before) == [], f"fault at {sites[i]}"
         _retry_succeeds_in_place(layer, addresses, want, sites[i])
@@ -260,14 +260,14 @@ def _fault_in_real_reload(variant, index: int | None):
     model = vllm_layers.build_model(variant, 0, backend=SPARSE, dense_prefill=False)
     layer = model.attn
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16)
     addresses = [t.data_ptr() for t in pair(layer)]
     taken, sites, error = {}, [], None
     patched = type(layer).process_weights_after_loading
 
-    def post_load_watched(act_dtype):
+    def post_load_watched(*act_dtype):  # (act_dtype) in vLLM 0.32 / 0.33, () in 0.34
         taken["before"] = vllm_layers.snapshot(layer)
-        return patched(layer, act_dtype)
+        return patched(layer, *act_dtype)
 
     layer.process_weights_after_loading = post_load_watched  # vLLM's finalize calls it
 

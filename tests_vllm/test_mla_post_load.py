@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm_layers
 from conftest import mla_layer, model_with, reload_through_vllm
 from vllm.model_executor.layers.attention import mla_attention
+from vllm_layers import post_load
 
 from vllm_mla.vllm import telemetry
+from vllm_mla.vllm.patches import vllm_minor
 from vllm_mla.weights import ReleaseRefusedError
 
 STOCK = mla_attention.MLAAttention.process_weights_after_loading
@@ -23,7 +26,7 @@ def pair(layer):
 def upstream_pair(fmt, seed=0):
     layer = mla_layer(fmt, seed)
     with torch.no_grad():
-        STOCK(layer, torch.bfloat16)
+        vllm_layers.post_load(layer, torch.bfloat16, STOCK)
     return pair(layer)
 
 
@@ -32,7 +35,7 @@ def upstream_pair(fmt, seed=0):
 def test_pair_is_bit_identical_to_upstream(registered, fmt, backend):
     layer = mla_layer(fmt, backend=backend, dense_prefill=backend is None)
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
     for ours, theirs in zip(pair(layer), upstream_pair(fmt), strict=True):
         assert isinstance(ours, torch.nn.Parameter)
         assert torch.equal(ours, theirs)
@@ -44,7 +47,7 @@ def test_bf16_kept_is_aliased_as_upstream_and_recorded(registered):
     telemetry.reset()
     layer = mla_layer("bf16")
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
     # upstream's pair aliases the BF16 source: no copy at all, and so does ours
     assert layer.W_UK_T.untyped_storage().data_ptr() == (
         layer.kv_b_proj.weight.untyped_storage().data_ptr()
@@ -56,12 +59,12 @@ def test_bf16_kept_is_aliased_as_upstream_and_recorded(registered):
 def test_post_load_twice_with_new_weights_keeps_addresses(registered, fmt):
     layer = mla_layer(fmt)  # an upstream backend: the source stays and is rewritten in place
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
         before = [t.data_ptr() for t in pair(layer)]
         fresh = mla_layer(fmt, seed=1).kv_b_proj
         for name, param in layer.kv_b_proj.named_parameters():
             param.copy_(getattr(fresh, name))
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
     assert [t.data_ptr() for t in pair(layer)] == before
     for ours, theirs in zip(pair(layer), upstream_pair(fmt, seed=1), strict=True):
         assert torch.equal(ours, theirs)
@@ -71,8 +74,8 @@ def test_release_only_with_the_capability(registered):
     kept = mla_layer("fp8-block", backend="FLASHMLA")
     released = mla_layer("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=False)
     with torch.no_grad():
-        kept.process_weights_after_loading(torch.bfloat16)
-        released.process_weights_after_loading(torch.bfloat16)
+        post_load(kept, torch.bfloat16)
+        post_load(released, torch.bfloat16)
     assert kept.kv_b_proj.weight.numel() > 0
     assert released.kv_b_proj.weight.numel() == 0
     assert released.kv_b_proj.weight_scale_inv.numel() == 0
@@ -84,7 +87,7 @@ def test_release_only_with_the_capability(registered):
 def test_release_is_refused_with_a_dense_mha_prefill_backend(registered):
     layer = mla_layer("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=True)
     with pytest.raises(ReleaseRefusedError, match="MHA prefill"), torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
     assert layer.kv_b_proj.weight.numel() > 0
 
 
@@ -96,16 +99,25 @@ def test_own_bmm_paths_are_delegated_untouched(flag):
     from vllm_mla.vllm.patches.mla_post_load import make_process_weights_after_loading
 
     calls = []
-    patched = make_process_weights_after_loading(lambda layer, dtype: calls.append((layer, dtype)))
+    if vllm_minor() >= (0, 34):  # the stock signature of the installed vLLM
+
+        def stock(layer):
+            calls.append((layer, layer.act_dtype))
+    else:
+
+        def stock(layer, act_dtype):
+            calls.append((layer, act_dtype))
+
+    patched = make_process_weights_after_loading(stock)
     layer = mla_layer("fp8-block")
     setattr(layer, flag, True)
     telemetry.reset()
-    patched(layer, torch.bfloat16)
+    vllm_layers.post_load(layer, torch.bfloat16, patched)
     assert calls == [(layer, torch.bfloat16)] and not hasattr(layer, "W_UK_T")
     assert telemetry.snapshot()["post_load"] == [(layer.layer_name, f"delegated: {flag}")]
     generic = mla_layer("fp8-block")
     with torch.no_grad():
-        patched(generic, torch.bfloat16)
+        vllm_layers.post_load(generic, torch.bfloat16, patched)
     assert len(calls) == 1 and generic.W_UK_T.is_contiguous()
 
 
@@ -113,7 +125,7 @@ def test_vllm_layerwise_reload_keeps_addresses_and_takes_new_values(registered):
     """Drive vLLM's own layerwise reload: record, initialize, load, finalize."""
     model = model_with("fp8-block")
     with torch.no_grad():
-        model.attn.process_weights_after_loading(torch.bfloat16)
+        post_load(model.attn, torch.bfloat16)
     before = [t.data_ptr() for t in pair(model.attn)]
     reload_through_vllm(model, seed=2)
     assert [t.data_ptr() for t in pair(model.attn)] == before
@@ -125,7 +137,7 @@ def test_reload_after_release_regenerates_in_place(registered):
     """Real order: metadata recorded at model init, load + post-load (release), reload."""
     model = model_with("fp8-block", backend="B12X_MLA_SPARSE", dense_prefill=False)
     with torch.no_grad():
-        model.attn.process_weights_after_loading(torch.bfloat16)
+        post_load(model.attn, torch.bfloat16)
     kv_b = model.attn.kv_b_proj
     assert kv_b.weight.numel() == 0
     before = [t.data_ptr() for t in pair(model.attn)]
@@ -167,8 +179,8 @@ def test_unknown_quant_method_is_delegated_untouched_and_named_once(registered, 
     theirs = int8_layer()
     with torch.no_grad(), caplog.at_level("WARNING", logger="vllm_mla"):
         for layer in ours:
-            layer.process_weights_after_loading(torch.bfloat16)
-        STOCK(theirs, torch.bfloat16)
+            post_load(layer, torch.bfloat16)
+        vllm_layers.post_load(theirs, torch.bfloat16, STOCK)
     for layer in ours:
         for a, b in zip(pair(layer), pair(theirs), strict=True):
             assert a.stride() == b.stride() and torch.equal(a, b)  # upstream's own views
@@ -180,3 +192,34 @@ def test_unknown_quant_method_is_delegated_untouched_and_named_once(registered, 
     assert all(
         a.startswith("delegated: unknown kv_b_proj form (Int8RowwiseMethod") for a in actions
     )
+
+
+class TwoRankGroup:
+    """A DCP group of two ranks holding the same weights: all_gather stacks two copies."""
+
+    def all_gather(self, tensor, dim=0):
+        return torch.cat([tensor, tensor], dim=dim)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_the_dcp_tail_gathers_what_upstreams_does(registered, monkeypatch, fmt):
+    """Upstream's tail after the pair under DCP: the replicated-query W_UK_T (0.32-0.34)
+    and, in vLLM 0.34, the W_UV its DCP v-up-projection combine reads: the same tensors as
+    stock post-load gathers, from our pair."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(mla_attention, "get_dcp_group", TwoRankGroup)
+    made = {}
+    for name, fn in (("stock", STOCK), ("ours", None)):
+        layer = mla_layer(fmt)
+        layer.dcp_q_replicate = True
+        layer.q_pad_num_heads = None
+        layer.dcp_manager = SimpleNamespace(v_up_proj_combine=object())
+        with torch.no_grad():
+            vllm_layers.post_load(layer, torch.bfloat16, fn)
+        made[name] = layer
+    stock, ours = made["stock"], made["ours"]
+    names = ["W_UK_T_dcp_qrep"] + (["W_UV_dcp"] if vllm_minor() >= (0, 34) else [])
+    for name in names:
+        assert torch.equal(getattr(ours, name), getattr(stock, name)), name
+    assert getattr(ours, "W_UV_dcp", None) is not None or vllm_minor() < (0, 34)

@@ -91,7 +91,9 @@ def test_renamed_target_skips_the_feature_with_a_warning(monkeypatch, caplog):
 
 
 def test_changed_signature_skips_the_feature(monkeypatch):
-    other = dataclasses.replace(patches.PATCHES[0], params=("self", "act_dtype", "extra"))
+    other = dataclasses.replace(
+        patches.PATCHES[0], params=("self", "act_dtype", "extra"), params_at=()
+    )
     monkeypatch.setattr(patches, "PATCHES", (other, *patches.PATCHES[1:]))
     plugin.reset()
     assert "expected parameters" in plugin.register()["lifecycle"]
@@ -170,7 +172,7 @@ def _registry_entries() -> dict[str, dict[str, str]]:
         fields, key = {"head": lines[0]}, None
         for line in lines[1:]:
             label = line.strip().split(":", 1)[0]
-            if label in ("target", "why", "how", "removal"):
+            if label in ("versions", "target", "why", "how", "removal"):
                 key, line = label, line.split(":", 1)[1]
             fields[key] = fields.get(key, "") + " " + line
         entries[name] = {k: _words(v) for k, v in fields.items()}
@@ -207,14 +209,17 @@ def test_registry_modules_docs_and_targets_agree():
     for patch in patches.PATCHES:
         entry, own = entries[patch.name], _module_doc(patch.name)
         target = f"{patch.module}.{patch.qualname}"
-        assert f"(feature {patch.feature}," in entry["head"].replace("``", ""), patch.name
+        head = entry["head"].replace("``", "")
+        assert f"(feature {patch.feature}," in head or f"(feature {patch.feature})" in head
+        assert entry["versions"] == _words(patch.versions_text()), patch.name
         assert entry["target"] == target, patch.name
         assert entry["removal"] == _words(patch.removal), patch.name
         assert set(own) == {"Target", "Why", "How", "Removal"}, patch.name
         assert own["Target"].replace(" ", "").startswith(target), patch.name
         assert own["Removal"] == _words(patch.removal), patch.name
         assert patch.factory.startswith(f"vllm_mla.vllm.patches.{patch.name}:"), patch.name
-        patches.resolve(patch)  # target exists with the expected parameters
+        if patch.upstream_in(patches.installed_minor()) is None:
+            patches.resolve(patch)  # target exists with the expected parameters
 
 
 def test_entry_point_is_declared():
@@ -244,3 +249,47 @@ def test_start_up_log_is_one_short_line_and_details_at_debug(monkeypatch, caplog
     assert plugin.summary({"query": "skipped: x; y"}) == (
         "applied nothing; not applied: query (x) (one line per feature at VLLM_LOGGING_LEVEL=DEBUG)"
     )
+
+
+def test_a_patch_vllm_does_itself_is_not_applied_and_its_feature_is(monkeypatch):
+    """``upstream_at``: in that version the patch is left out, said why, and the rest of
+    its feature applies (as mtp_draft_backend on vLLM 0.34)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    minor = patches.installed_minor()
+    native = dataclasses.replace(
+        patches.PATCHES[1], versions=(), upstream_at=((minor, "vLLM does it itself"),)
+    )
+    monkeypatch.setattr(patches, "PATCHES", (patches.PATCHES[0], native))
+    plugin.reset()
+    outcome = plugin.register()["lifecycle"]
+    assert outcome.startswith("applied") and current() is not STOCK
+    assert f"{native.name} not needed: vLLM does it itself" in outcome
+    assert not hasattr(layerwise._copy_and_restore_kernel_tensors, patches.MARK)
+    assert dict(patches.check_targets()["lifecycle"])[native.name].startswith("not needed")
+
+
+def test_check_vllm_names_the_target_that_moved(monkeypatch, capsys):
+    from vllm_mla.tools import cli
+
+    assert cli.main(["check-vllm"]) == 0  # every target of the installed vLLM in place
+    moved = dataclasses.replace(patches.PATCHES[0], qualname="MLAAttention.gone", params_at=())
+    monkeypatch.setattr(patches, "PATCHES", (moved, *patches.PATCHES[1:]))
+    outcome = dict(patches.check_targets()["lifecycle"])[moved.name]
+    assert outcome.startswith("moved:") and "MLAAttention.gone" in outcome
+    capsys.readouterr()
+    assert cli.main(["check-vllm"]) == 1
+    printed = capsys.readouterr().out
+    assert "lifecycle: would NOT apply" in printed and "MLAAttention.gone" in printed
+
+
+def test_check_vllm_judges_an_unknown_version_by_the_newest_targets(monkeypatch, capsys):
+    """The version gate applies nothing to an unknown release; the check still says what
+    would have to move, against the newest supported version's signatures."""
+    from vllm_mla.tools import cli
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    cli.main(["check-vllm"])
+    printed = capsys.readouterr().out
+    assert "0.99.0: not one of" in printed
+    assert f"judged against {patches.SUPPORTED_VLLM[-1]}'s targets" in printed

@@ -14,6 +14,7 @@ from conftest import mla_layer, model_with, reload_through_vllm
 from vllm.model_executor.layers.attention import mla_attention
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm_layers import post_load
 
 from vllm_mla.ops.sparse_mla import PreparationSession
 from vllm_mla.vllm import plugin
@@ -233,8 +234,13 @@ def test_no_group_conversion_buffers_or_events():
     assert builder.current_group is None
     assert sum(a.size for a in trace.allocations() if not a.freed) < 1024  # no rows x topk
     # control: what SparseMLACommonImpl.__init__ does with the same builder
+    import inspect
+
+    width = {"head_size": 576}  # vLLM 0.32 / 0.33; 0.34 names the record's width
+    if "row_width" in inspect.signature(builder.register_layer).parameters:
+        width = {"row_width": 656}
     with AllocationTrace("cpu") as trace:
-        builder.register_layer(True, None, head_size=576, kv_cache_dtype="fp8_ds_mla")
+        builder.register_layer(True, None, **width, kv_cache_dtype="fp8_ds_mla")
     assert builder.current_group is not None
     assert sum(a.size for a in trace.allocations() if not a.freed) >= 9 * TOPK * 4
 
@@ -431,7 +437,7 @@ def test_kv_b_proj_released_only_for_this_backend(
     layer.impl = make_impl(buffer=numpy_buffer()[0])
     layer.prefill_backend = None  # what MLAAttention.__init__ sets for this impl
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
     released = layer.kv_b_proj.weight.numel() == 0
     assert released == (backend_cls != "other")
     assert layer.impl.plan is not None  # the impl hook ran first (preparation point)
@@ -442,7 +448,11 @@ def builder_config(spec_tokens=None):
     spec = (
         None
         if spec_tokens is None
-        else SimpleNamespace(num_speculative_tokens=spec_tokens, parallel_drafting=False)
+        else SimpleNamespace(
+            num_speculative_tokens=spec_tokens,
+            parallel_drafting=False,
+            max_num_new_slots_for_drafting=0,  # vLLM 0.34 reads it (MTP drafts add none)
+        )
     )
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=SimpleNamespace(index_topk=TOPK)),
@@ -528,7 +538,7 @@ def test_real_backend_releases_and_vllm_reload_regenerates_in_place(
     model.attn.impl = make_impl(buffer=numpy_buffer()[0])
     model.attn.prefill_backend = None
     with torch.no_grad():
-        model.attn.process_weights_after_loading(torch.bfloat16)
+        post_load(model.attn, torch.bfloat16)
     kv_b = model.attn.kv_b_proj
     assert kv_b.weight.numel() == 0 and kv_b.weight_scale_inv.numel() == 0
     before = [t.data_ptr() for t in pair(model.attn)]
@@ -680,3 +690,16 @@ def one_decode_token(impl, width: int) -> SimpleNamespace:
         block_size=BLOCK,
         num_decode_tokens=1,
     )
+
+
+def test_vllms_own_b12x_backend_is_not_ours(registered):
+    """vLLM 0.34 registers a dense b12x paged backend as ``B12X``: our registration leaves
+    it vLLM's, and nothing of ours (capabilities, sparse serving) keys on it."""
+    from vllm_mla.formats import SPARSE_BACKEND
+    from vllm_mla.vllm.capabilities import BackendCapabilities, capabilities_for
+
+    if "B12X" not in AttentionBackendEnum.__members__:
+        pytest.skip("this vLLM has no B12X backend (vLLM 0.33 and 0.34 have one)")
+    assert AttentionBackendEnum["B12X"].get_path().startswith("vllm.v1.attention.backends.b12x.")
+    assert capabilities_for("B12X") == BackendCapabilities("B12X")  # all off: upstream's
+    assert AttentionBackendEnum[SPARSE_BACKEND].get_path().startswith("vllm_mla.")

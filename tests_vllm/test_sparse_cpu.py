@@ -151,30 +151,45 @@ def test_control_vllms_own_query_quantization_needs_triton(off):
         deepseek_v2.per_token_group_quant_fp8(torch.randn(2, 128), 128, use_ue8m0=True)
 
 
+def two_requests_chunk(build, **extra):
+    """vLLM's prefill chunk metadata for two requests: 3 new tokens after 2 cached, then 4
+    new tokens from scratch (one chunk, no compression)."""
+    query_start_loc = torch.tensor([0, 3, 7], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 4], dtype=torch.int32)
+    lens = (seq_lens, seq_lens, seq_lens)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    return build(0, 2, query_start_loc, query_start_loc, *lens, table, compress_ratio=1, **extra)
+
+
 def test_vllms_prefill_chunk_metadata_builds_through_our_kernel(registered):
     from vllm.triton_utils import HAS_TRITON
     from vllm.v1.attention.backends.mla.indexer import build_prefill_chunk_metadata
 
     if HAS_TRITON:
         pytest.skip("Triton runs here: vLLM's own kernel serves")
-    # two requests: 3 new tokens after 2 cached, then 4 new tokens from scratch
-    query_start_loc = torch.tensor([0, 3, 7], dtype=torch.int32)
-    seq_lens = torch.tensor([5, 4], dtype=torch.int32)
-    chunk = build_prefill_chunk_metadata(
-        0,
-        2,
-        query_start_loc,
-        query_start_loc,
-        seq_lens,
-        seq_lens,
-        seq_lens,
-        torch.zeros(2, 4, dtype=torch.int32),
-        compress_ratio=1,
-    )
+    chunk = two_requests_chunk(build_prefill_chunk_metadata)
     assert chunk.cu_seq_lens.tolist() == [0, 5, 9]
     assert chunk.cu_seqlen_ks.tolist() == [0, 0, 0, 5, 5, 5, 5]
     assert chunk.cu_seqlen_ke.tolist() == [3, 4, 5, 6, 7, 8, 9]  # row start + causal length
     assert chunk.token_to_seq.tolist() == [0] * 5 + [1] * 4
+
+
+def test_vllms_shardq_positions_decide_each_tokens_context(registered):
+    """vLLM 0.34 passes each token's position (ShardQ: a request's tokens need not be its
+    last ones); the stand-in's causal lengths follow the positions, not the token order."""
+    import inspect
+
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.attention.backends.mla.indexer import build_prefill_chunk_metadata
+
+    if HAS_TRITON:
+        pytest.skip("Triton runs here: vLLM's own kernel serves")
+    if "positions" not in inspect.signature(build_prefill_chunk_metadata).parameters:
+        pytest.skip("this vLLM passes no positions (before 0.34)")
+    positions = torch.tensor([4, 2, 3, 1, 3, 0, 2], dtype=torch.int64)  # out of order
+    chunk = two_requests_chunk(build_prefill_chunk_metadata, positions=positions)
+    assert chunk.cu_seqlen_ks.tolist() == [0, 0, 0, 5, 5, 5, 5]
+    assert chunk.cu_seqlen_ke.tolist() == [5, 3, 4, 7, 9, 6, 8]  # row start + position + 1
 
 
 def test_our_indexer_is_what_vllm_instantiates(registered):

@@ -327,15 +327,40 @@ def test_the_lse_correction_through_vllms_launcher_is_vllms_combine():
     assert (total[1, 2] == 0).all() and torch.isneginf(lse[1, 2])
 
 
+def test_install_names_a_kernel_this_vllm_lacks(monkeypatch):
+    """A stand-in whose vLLM kernel is absent is not registered, and the outcome says so
+    (vLLM 0.34 has no ComputeSlotMappingKernel; the name is faked absent elsewhere)."""
+    from vllm_mla.vllm.sparse import cpu_dcp, kernel_targets
+
+    monkeypatch.setattr(cpu_dcp, "_installed", None)
+    real = kernel_targets.kernel_at
+    monkeypatch.setattr(
+        kernel_targets, "kernel_at", lambda p: None if p == cpu_dcp.SLOT_KERNEL else real(p)
+    )
+    registered = {}
+    import vllm.triton_utils.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "register_kernels", registered.update)
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", False)
+    outcome = cpu_dcp.install()
+    assert set(registered) == {cpu_dcp.COMBINE_KERNEL}
+    assert f"not overridden: {cpu_dcp.SLOT_KERNEL}" in outcome
+    monkeypatch.setattr(cpu_dcp, "_installed", None)
+
+
 @pytest.mark.parametrize(("n", "rank", "interleave"), [(2, 0, 1), (2, 1, 1), (4, 3, 16)])
 def test_the_slot_mapping_through_vllms_launcher_shards_like_the_indexer(n, rank, interleave):
     """``cpu_dcp`` installed, vLLM's ``ComputeSlotMappingKernel`` launch under DCP: a token
     another rank holds gets PAD (-1), one this rank holds the slot of its local position
     (``DCPShard.to_local``) in this rank's block table, the rest of the buffer PAD."""
-    from vllm.v1.worker.block_table import _COMPUTE_SLOT_MAPPING_KERNEL
-
     from vllm_mla.vllm.sparse import cpu_dcp
 
+    block_table = pytest.importorskip(
+        "vllm.v1.worker.block_table",
+        reason="vLLM 0.34 has no ComputeSlotMappingKernel (its x86 CPU runs the GPU model "
+        "runner's Triton block table through triton-cpu): nothing to override",
+    )
+    _COMPUTE_SLOT_MAPPING_KERNEL = block_table._COMPUTE_SLOT_MAPPING_KERNEL
     cpu_dcp.install()
     shard = DCPShard(n, rank, interleave)
     query_start = torch.tensor([0, 5, 12], dtype=torch.int32)

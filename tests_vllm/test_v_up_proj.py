@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import L, N, V, mla_layer
+from vllm_layers import post_load
 
 from vllm_mla.ops.absorbed_weight import AbsorbedWeight
 from vllm_mla.vllm import capabilities, plugin, telemetry
@@ -55,7 +56,7 @@ def query_only(monkeypatch):
 def layer_with_pair(backend=None, fmt="fp8-block"):
     layer = mla_layer(fmt, backend=backend)
     with torch.no_grad():
-        layer.process_weights_after_loading(torch.bfloat16)
+        post_load(layer, torch.bfloat16)
     return layer
 
 

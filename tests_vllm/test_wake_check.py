@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 from conftest import model_with, reload_through_vllm
+from vllm_layers import post_load
 
 from vllm_mla.memory.ledger import layer_owners
 from vllm_mla.vllm import wake_check
@@ -47,7 +48,7 @@ class Worker:
 def loaded(registered, seed=0, **kw):
     model = model_with("fp8-block", seed, **kw)
     with torch.no_grad():
-        model.attn.process_weights_after_loading(torch.bfloat16)
+        post_load(model.attn, torch.bfloat16)
     return model
 
 

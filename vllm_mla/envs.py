@@ -39,7 +39,7 @@ ABSORBED_MODES = ("bf16", "direct", "auto")
 QUERY_MODES = ("auto", "fused", "staged")
 INDEXER_CHOICES = ("auto", "ours", "vllm")
 WAKE_CHECK_MODES = ("raise", "warn", "off")
-CPU_ISA_LEVELS = ("native", "avx512_bf16", "avx512", "avx2")
+CPU_ISA_LEVELS = ("native", "avx512_bf16", "avx512", "avx2", "amx")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ VARIABLES: tuple[Variable, ...] = (
         "native",
         CPU_ISA_LEVELS,
         "test harness: hide x86 features from torch, oneDNN and vLLM CPU, so this host "
-        "runs what a host with fewer features runs",
+        "runs what a host with fewer features runs; amx claims AMX tiles for vLLM's "
+        "decisions (CUDA wheel in CPU platform mode only)",
     ),
     Variable(
         "TRITON_INTERPRET",

@@ -154,6 +154,11 @@ def _parser() -> argparse.ArgumentParser:
         help="with --arch hy-v4: mean of the per-head attention-sink logits, std 1 (default 2)",
     )
     _soak_parser(sub)
+    sub.add_parser(
+        "check-vllm",
+        help="each patch target looked up in the installed vLLM (any version): per feature, "
+        "whether it would apply and, where not, which target moved",
+    )
     return parser
 
 
@@ -315,7 +320,41 @@ def _soak(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-COMMANDS = {"make-model": _make_model, "soak": _soak, "qualify": _qualify}
+def _check_vllm(args: argparse.Namespace) -> int:
+    """Exit 0 when every feature's targets are where the plugin expects them."""
+    from vllm_mla.vllm import patches
+
+    version = patches.vllm_version()
+    if version is None:
+        print("vllm-mla: vLLM is not importable here", file=sys.stderr)
+        return 2
+    known = patches.supported(version)
+    print(
+        f"vLLM {version}: "
+        + (
+            "supported (the plugin applies its features)"
+            if known
+            else f"not one of {', '.join(patches.SUPPORTED_VLLM)}: the plugin applies "
+            f"nothing and warns once; judged against {patches.SUPPORTED_VLLM[-1]}'s targets"
+        )
+    )
+    moved = 0
+    for feature, outcomes in sorted(patches.check_targets().items()):
+        bad = [(name, why) for name, why in outcomes if why.startswith("moved")]
+        moved += len(bad)
+        print(f"  {feature}: {'would apply' if not bad else 'would NOT apply'}")
+        for name, why in outcomes:
+            if why != "ok":
+                print(f"    {name}: {why}")
+    return 0 if moved == 0 else 1
+
+
+COMMANDS = {
+    "make-model": _make_model,
+    "soak": _soak,
+    "qualify": _qualify,
+    "check-vllm": _check_vllm,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

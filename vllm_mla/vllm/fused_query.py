@@ -1,6 +1,7 @@
 """Feature ``query`` (``VLLM_MLA_QUERY``): the fused query projection on vLLM's decode path.
 
-What vLLM 0.32/0.33 run per MLA decode layer-step (``MLAAttention.forward_impl``): the W_UK_T
+What vLLM 0.32/0.33 run per MLA decode layer-step (``MLAAttention.forward_impl``; in 0.34 the
+same steps sit in ``MLAAttention._prepare_mqa_query``, which ``forward_impl`` calls): the W_UK_T
 bmm into a ``[M, H, L]`` buffer it allocates, then either ``_decode_concat_quant_fp8_op``
 (an FP8 KV cache and an impl that takes an FP8 query, ``supports_quant_query_input``:
 FlashMLA, FlashInfer MLA; cat + per-tensor quant) or the tuple ``(ql_nope, q_pe)`` to
@@ -30,7 +31,8 @@ routed bmm sees only its own call; fusing them needs the consumer's hand.
 How (``bind``, from the post-load patch): a layer is eligible (``plan``) when the feature
 is on and ``VLLM_MLA_QUERY`` is not ``staged``; it runs vLLM's generic bmm branch (no AMX,
 no aiter, ``forward_impl`` not traced: ``use_direct_call`` off); DCP 1 and no PCP (the
-tuple would be concatenated and gathered before any consumer); no padded heads; and its
+tuple would be concatenated and gathered before any consumer); no ShardQ (vLLM 0.34's
+``shard_q`` slices the query before ``forward_mqa``); no padded heads; and its
 consumer is ours (the FP8 op above is the layer's, or the impl is one whose ``forward_mqa``
 is wrapped). ``auto`` adds: on CUDA, BF16, and ``can_fuse_query_projection`` true for the
 layer's shape at M = 64. Then W_UK_T is routed (a plain one is wrapped with upstream's
@@ -233,6 +235,8 @@ def plan(layer: nn.Module) -> Plan:
         return Plan(None, rows=rows, why="forward_impl is traced (not an opaque op)")
     if getattr(impl, "dcp_world_size", 1) > 1 or getattr(layer, "use_pcp", False):
         return Plan(None, rows=rows, why="DCP/PCP concatenates and gathers the query first")
+    if getattr(layer, "use_shardq", False):
+        return Plan(None, rows=rows, why="ShardQ slices the query before forward_mqa (vLLM 0.34)")
     if getattr(layer, "q_pad_num_heads", None) is not None:
         return Plan(None, rows=rows, why="padded query heads")
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):

@@ -106,6 +106,8 @@ from vllm_mla.ops.sparse_mla.formats import (
 
 logger = logging.getLogger("vllm_mla")
 
+# the b12x release this runner's surface was read from (the test environment installs it)
+B12X_VERSION = "1.5.1"
 B12X_MODULE = "b12x.attention.sparse_mla"
 # Our cache format -> the b12x recipe (ModelType attribute name) with the same bytes.
 B12X_RECIPE = {"fp8_ds_mla": "GLM_NSA"}

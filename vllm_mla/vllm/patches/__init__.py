@@ -3,7 +3,8 @@
 Each patch is one module here and one ``Patch`` entry below (a test checks that
 the two agree and that every target exists in the installed vLLM):
 
-``mla_post_load`` (feature ``lifecycle``, vLLM 0.32 and 0.33)
+``mla_post_load`` (feature ``lifecycle``)
+    versions: 0.32, 0.33, 0.34; on 0.34 the target's parameters are (self)
     target: ``vllm.model_executor.layers.attention.mla_attention``
     ``.MLAAttention.process_weights_after_loading``
     why: upstream keeps a quantized kv_b_proj and a BF16 copy of it, built after
@@ -11,83 +12,100 @@ the two agree and that every target exists in the installed vLLM):
     removal: when upstream MLA post-load preallocates the pair, bounds dequant scratch
     and releases kv_b_proj by backend capability
 
-``reload_released`` (feature ``lifecycle``, vLLM 0.32 and 0.33)
+``reload_released`` (feature ``lifecycle``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.model_loader.reload.layerwise``
     ``._copy_and_restore_kernel_tensors``
     why: reload copies new weights into the old parameters; a released kv_b_proj
     is an empty placeholder, so the copy fails on shape
     removal: when vLLM's reload rebinds size-changed kernel tensors itself
 
-``mla_v_up_proj`` (feature ``query``, vLLM 0.32 and 0.33)
+``mla_v_up_proj`` (feature ``query``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.layers.attention.mla_attention``
     ``.MLAAttention._v_up_proj``
     why: cuBLAS batched BF16 GEMM over-reads the strided operand on SM120/121 (Xid 31)
     removal: when cuBLAS or upstream's _v_up_proj is safe on SM12x
 
-``sparse_kv_cache_dtype`` (feature ``sparse``, vLLM 0.32 and 0.33)
+``sparse_kv_cache_dtype`` (feature ``sparse``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.layers.attention.mla_attention``
     ``._canonicalize_sparse_mla_kv_cache_dtype``
     why: upstream maps auto/fp8 to fp8_ds_mla only for its own sparse backends, by name
     removal: when upstream canonicalises by a backend attribute instead of by name
 
-``dsv32_bf16_cache`` (feature ``sparse``, vLLM 0.32 and 0.33)
+``dsv32_bf16_cache`` (feature ``sparse``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.models.config.DeepseekV32ForCausalLM``
     ``.verify_and_update_config``
     why: it turns an explicit ``bfloat16`` KV cache into ``auto`` for DSA checkpoints
     removal: when upstream keeps an explicit bfloat16 cache dtype
 
-``sparse_backend_portable`` (feature ``sparse``, vLLM 0.32 and 0.33)
+``sparse_backend_portable`` (feature ``sparse``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.config.vllm.VllmConfig.try_verify_and_update_config``
     why: a process that unpickles the config before loading plugins cannot resolve the
     plugin-made B12X_MLA_SPARSE enum member
     removal: when vLLM loads general plugins before it builds or unpickles configs
 
-``mtp_draft_backend`` (feature ``sparse``, vLLM 0.32 and 0.33)
+``mtp_draft_backend`` (feature ``sparse``)
+    versions: 0.32, 0.33; not applied on 0.34: vLLM 0.34 builds the draft from the
+    target's config (SpeculativeConfig.apply_draft_overrides overrides the attention
+    backend only when speculative_config.attention_backend is set), so an MTP draft
+    keeps ``B12X_MLA_SPARSE``
     target: ``vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer``
     ``._create_draft_vllm_config``
     why: an MTP draft never inherits its target's attention backend, and auto-selection
     knows no out-of-tree one (on CPU: "Sparse Attention is not supported on CPU.")
     removal: when vLLM lets a draft inherit an out-of-tree backend of its target
 
-``cpu_sparse_backend`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+``cpu_sparse_backend`` (feature ``sparse-cpu``, CPU platform)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls``
     why: it refuses every sparse model ("Sparse Attention is not supported on CPU.")
     removal: when the CPU platform lets a selected out-of-tree sparse backend through
 
-``cpu_sparse_block_size`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+``cpu_sparse_block_size`` (feature ``sparse-cpu``, CPU platform)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.platforms.cpu.CpuPlatform.check_and_update_config``
     why: it forces block_size 16 (or 128 on AMX) for MLA; the backend and vLLM's DSA
     indexer cache read 64-row pages
     removal: when the CPU platform asks the selected backend for its block size
 
-``cpu_indexer_query_quant`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+``cpu_indexer_query_quant`` (feature ``sparse-cpu``, CPU platform)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.models.deepseek_v2.per_token_group_quant_fp8``
     why: off CUDA/XPU it needs Triton, which vLLM CPU runs without
     removal: when vLLM ships a CPU per_token_group_fp8_quant
 
-``cpu_indexer_query_quant_hy_v4`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and 0.33)
+``cpu_indexer_query_quant_hy_v4`` (feature ``sparse-cpu``, CPU platform)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.models.hy_v4.nvidia.attention.per_token_group_quant_fp8``
     why: HY-V4's indexer calls the name it imported itself, the same Triton fallback
     removal: when vLLM ships a CPU per_token_group_fp8_quant
 
-``cpu_glm5next_indexer_weights`` (feature ``sparse-cpu``, CPU platform, vLLM 0.32 and
-0.33; applied when its module is imported)
+``cpu_glm5next_indexer_weights`` (feature ``sparse-cpu``, CPU platform, applied when its
+module is imported)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.models.glm5next.common.attention.Indexer.__init__``
     why: vLLM CPU's linear post-load leaves an empty placeholder weight, and GLM-5.3-Flash's
     indexer reads ``wk_weights_proj.weight`` in its first forward
     removal: when vLLM CPU keeps the weights its model code reads after loading
 
-``wake_check_sleep`` (feature ``wake-check``, vLLM 0.32 and 0.33)
+``wake_check_sleep`` (feature ``wake-check``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.v1.worker.gpu_worker.Worker.sleep``
     why: vLLM keeps no flag for weights discarded by sleep level 2 and not reloaded
     removal: when vLLM refuses to serve weights discarded and not reloaded
 
-``wake_check_wake_up`` (feature ``wake-check``, vLLM 0.32 and 0.33)
+``wake_check_wake_up`` (feature ``wake-check``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.v1.worker.gpu_worker.Worker.wake_up``
     why: waking the weights after a level-2 sleep makes the check due
     removal: with ``wake_check_sleep``
 
-``wake_check_execute_model`` (feature ``wake-check``, vLLM 0.32 and 0.33)
+``wake_check_execute_model`` (feature ``wake-check``)
+    versions: 0.32, 0.33, 0.34
     target: ``vllm.v1.worker.gpu_worker.Worker.execute_model``
     why: the first step after the wake-up is the last moment before garbage is served
     removal: with ``wake_check_sleep``
@@ -98,9 +116,13 @@ indexer (``SparseAttnIndexer.register_oot``) and a torch stand-in for the indexe
 metadata builder's Triton kernel (``vllm.triton_utils.dispatcher.register_kernels``)
 through ``vllm_mla.vllm.sparse.cpu``; those are vLLM's extension APIs, not patches.
 
-Rules: a patch applies only if its target exists with the expected parameters;
-a feature's patches apply all or none; an unsupported vLLM version applies
-nothing (one warning). ``apply`` is idempotent; ``revert`` undoes everything.
+Rules: a patch applies only if its target exists with the parameters of the installed
+version (``params_at`` lists the versions where they differ); a feature's patches apply
+all or none; a version where vLLM does a patch's work itself (``upstream_at``) leaves that
+patch out, says so in the outcome, and applies the rest of the feature; an unsupported
+vLLM version applies nothing (one warning). ``check_targets`` (``vllm-mla check-vllm``,
+``scripts/check_newest_vllm.sh``) looks every target up in any vLLM, to see what a new
+release moved. ``apply`` is idempotent; ``revert`` undoes everything.
 An ``on_import`` patch targets a model's own package, costly to import: it is applied
 when vLLM first imports that module (``vllm_mla.vllm.on_import``), so processes serving
 other models never import it; its target is checked then (a warning if it is missing).
@@ -120,7 +142,7 @@ from vllm_mla.vllm import on_import
 
 logger = logging.getLogger("vllm_mla")
 
-SUPPORTED_VLLM = ("0.32", "0.33")
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 MARK = "__vllm_mla_patch__"
 
 
@@ -143,6 +165,28 @@ class Patch:
     # applied when ``module`` is first imported, not by ``apply`` (a model's own package,
     # costly to import, that most processes never load); applied at once if imported
     on_import: bool = False
+    # versions whose target takes other parameters: ((minor, params), ...)
+    params_at: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # versions where vLLM does what the patch did: ((minor, what vLLM does), ...); the
+    # patch is not applied there, the rest of its feature is
+    upstream_at: tuple[tuple[str, str], ...] = ()
+
+    def params_for(self, minor: str | None) -> tuple[str, ...]:
+        """The target's parameters in vLLM ``minor`` (the default where none is listed)."""
+        return dict(self.params_at).get(minor, self.params)
+
+    def upstream_in(self, minor: str | None) -> str | None:
+        """What vLLM ``minor`` does itself in the patch's place (None: the patch applies)."""
+        return dict(self.upstream_at).get(minor)
+
+    def versions_text(self) -> str:
+        """The registry docstring's ``versions:`` line, derived from the fields."""
+        text = ", ".join(self.versions)
+        for minor, params in self.params_at:
+            text += f"; on {minor} the target's parameters are ({', '.join(params)})"
+        for minor, what in self.upstream_at:
+            text += f"; not applied on {minor}: {what}"
+        return text
 
     def build(self, original: Callable) -> Callable:
         mod, func = self.factory.split(":")
@@ -160,6 +204,8 @@ PATCHES: tuple[Patch, ...] = (
         qualname="MLAAttention.process_weights_after_loading",
         params=("self", "act_dtype"),
         versions=SUPPORTED_VLLM,
+        # 0.34: the activation dtype is the layer's act_dtype, set at construction
+        params_at=(("0.34", ("self",)),),
         why="upstream keeps the quantized kv_b_proj and a BF16 copy, allocated after "
         "dequant scratch has churned the allocator",
         how="runs vllm_mla.weights.post_load (preallocate, bounded chunks, capability-gated "
@@ -252,7 +298,16 @@ PATCHES: tuple[Patch, ...] = (
         module="vllm.v1.spec_decode.llm_base_proposer",
         qualname="SpecDecodeBaseProposer._create_draft_vllm_config",
         params=("self",),
-        versions=SUPPORTED_VLLM,
+        versions=("0.32", "0.33"),
+        upstream_at=(
+            (
+                "0.34",
+                "vLLM 0.34 builds the draft from the target's config "
+                "(SpeculativeConfig.apply_draft_overrides overrides the attention backend "
+                "only when speculative_config.attention_backend is set), so an MTP draft "
+                "keeps B12X_MLA_SPARSE",
+            ),
+        ),
         why="an MTP draft never inherits its target's attention backend, and auto-selection "
         "knows no out-of-tree backend",
         how="after the original, a DSA draft whose backend was left unset gets the target's "
@@ -410,12 +465,13 @@ def _function(descriptor: object) -> object:
     return descriptor.__func__ if isinstance(descriptor, classmethod) else descriptor
 
 
-def resolve(patch: Patch) -> tuple[object, str, Callable]:
+def resolve(patch: Patch, minor: str | None = None) -> tuple[object, str, Callable]:
     """(owner, attribute, current attribute) of ``patch``'s target, or TargetMissing.
 
     The attribute may be a function or a classmethod; its signature (``cls`` first for a
-    classmethod) must be ``patch.params``.
+    classmethod) must be ``patch.params_for(minor)`` (default: the installed vLLM's minor).
     """
+    expected = patch.params_for(installed_minor() if minor is None else minor)
     try:
         owner = importlib.import_module(patch.module)
     except ImportError as exc:
@@ -434,9 +490,9 @@ def resolve(patch: Patch) -> tuple[object, str, Callable]:
         raise TargetMissing(f"{patch.module}.{patch.qualname} does not exist")
     original = getattr(func, "__wrapped__", func) if hasattr(func, MARK) else func
     params = tuple(inspect.signature(original).parameters)
-    if params != patch.params:
+    if params != expected:
         raise TargetMissing(
-            f"{patch.module}.{patch.qualname}: expected parameters {patch.params}, got {params}"
+            f"{patch.module}.{patch.qualname}: expected parameters {expected}, got {params}"
         )
     return owner, attr, current
 
@@ -462,6 +518,21 @@ def supported(version: str) -> bool:
     return ".".join(version.split(".")[:2]) in SUPPORTED_VLLM
 
 
+def installed_minor() -> str | None:
+    version = vllm_version()
+    return None if version is None else ".".join(version.split(".")[:2])
+
+
+def vllm_minor() -> tuple[int, int]:
+    """The installed vLLM's (major, minor), e.g. (0, 34); (0, 0) when it is not importable
+    or its version does not parse."""
+    try:
+        major, minor = (installed_minor() or "").split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
 def apply(features: frozenset[str]) -> dict[str, str]:
     """Apply every patch of ``features``; returns {feature: "applied ..." | "skipped: why"}."""
     global _warned_version
@@ -476,10 +547,15 @@ def apply(features: frozenset[str]) -> dict[str, str]:
             _warned_version = True
         return dict.fromkeys(sorted(features), f"skipped: vLLM {version} unsupported")
     results = {}
+    minor = ".".join(version.split(".")[:2])
     for feature in sorted(features):
         patches = [p for p in PATCHES if p.feature == feature]
-        minor = ".".join(version.split(".")[:2])
-        untested = [p.name for p in patches if minor not in p.versions]
+        untested = [
+            p.name for p in patches if minor not in p.versions and p.upstream_in(minor) is None
+        ]
+        # vLLM does these itself in this version: named in the outcome, not applied
+        native = [p for p in patches if p.upstream_in(minor) is not None]
+        patches = [p for p in patches if p not in native]
         if untested:
             results[feature] = f"skipped: {', '.join(untested)} not written for vLLM {minor}"
             logger.warning("vllm-mla: feature %s not applied: %s", feature, results[feature])
@@ -491,7 +567,7 @@ def apply(features: frozenset[str]) -> dict[str, str]:
             continue
         later = [p for p in patches if p.on_import and p.module not in sys.modules]
         try:
-            targets = [(p, *resolve(p)) for p in patches if p not in later]
+            targets = [(p, *resolve(p, minor)) for p in patches if p not in later]
         except TargetMissing as exc:
             logger.warning("vllm-mla: feature %s not applied: %s", feature, exc)
             results[feature] = f"skipped: {exc}"
@@ -503,7 +579,32 @@ def apply(features: frozenset[str]) -> dict[str, str]:
         results[feature] = "applied " + ", ".join(
             p.qualname + (f" (when {p.module} is imported)" if p in later else "") for p in patches
         )
+        if not patches:
+            results[feature] = "applied (nothing to patch)"
+        for patch in native:
+            results[feature] += f"; {patch.name} not needed: {patch.upstream_in(minor)}"
     return results
+
+
+def check_targets() -> dict[str, list[tuple[str, str]]]:
+    """Every patch's target looked up in the installed vLLM, whatever its version (the
+    version gate applies nothing to an unknown one; this says what would have to move):
+    ``{feature: [(patch, "ok" | "not needed: ..." | "moved: ...")]}``. An unknown version
+    is judged against the newest supported version's signatures."""
+    minor = installed_minor()
+    judged = minor if minor in SUPPORTED_VLLM else SUPPORTED_VLLM[-1]
+    found: dict[str, list[tuple[str, str]]] = {}
+    for patch in PATCHES:
+        if patch.upstream_in(judged) is not None:
+            outcome = f"not needed: {patch.upstream_in(judged)}"
+        else:
+            try:
+                resolve(patch, judged)
+                outcome = "ok"
+            except TargetMissing as exc:
+                outcome = f"moved: {exc}"
+        found.setdefault(patch.feature, []).append((patch.name, outcome))
+    return found
 
 
 def _install(patch: Patch, owner: object, attr: str, current: object) -> None:

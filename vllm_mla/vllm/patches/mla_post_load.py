@@ -1,7 +1,9 @@
 """Patch ``MLAAttention.process_weights_after_loading`` with the lean lifecycle.
 
 Target: ``vllm.model_executor.layers.attention.mla_attention.MLAAttention
-.process_weights_after_loading(self, act_dtype)`` (vLLM 0.32, 0.33).
+.process_weights_after_loading``: ``(self, act_dtype)`` in vLLM 0.32 and 0.33, ``(self)`` in
+0.34, which reads the activation dtype from ``self.act_dtype`` (the replacement takes the
+installed version's parameters).
 Why: upstream keeps kv_b_proj's quantized source and a BF16 absorbed copy, allocated
 after dequant scratch (allocator holes), and never releases the source.
 How: kv_b_proj's form is looked up in the kv_b_proj matrix (``vllm_mla.weights.forms``:
@@ -26,6 +28,7 @@ releases kv_b_proj by backend capability.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -136,13 +139,18 @@ def delegate_reason(layer: nn.Module) -> str | None:
 
 
 def _upstream_tail(layer: nn.Module) -> None:
-    """Upstream's steps after the pair exists: DCP query copy, default quant scales."""
+    """Upstream's steps after the pair exists: DCP query copy, the gathered W_UV of 0.34's
+    DCP v-up-projection combine, default quant scales."""
     from vllm.model_executor.layers.attention import mla_attention as mla
     from vllm.model_executor.utils import replace_parameter
 
     if getattr(layer, "dcp_q_replicate", False):
         gathered = mla.get_dcp_group().all_gather(layer.W_UK_T.contiguous(), dim=0)
         replace_parameter(layer, "W_UK_T_dcp_qrep", gathered)
+    manager = getattr(layer, "dcp_manager", None)
+    if manager is not None and getattr(manager, "v_up_proj_combine", None) is not None:
+        gathered = mla.get_dcp_group().all_gather(layer.W_UV.contiguous(), dim=0)
+        replace_parameter(layer, "W_UV_dcp", gathered)
     quant_config = getattr(layer, "quant_config", None)
     method = (
         mla.resolve_quant_method(quant_config, layer, prefix=layer.layer_name)
@@ -162,14 +170,15 @@ def _bind_route(layer: nn.Module, name: str) -> None:
 
 
 def make_process_weights_after_loading(original: Callable) -> Callable:
-    """The replacement for ``MLAAttention.process_weights_after_loading``."""
+    """The replacement for ``MLAAttention.process_weights_after_loading``, with the
+    original's parameters: ``(self, act_dtype)`` (vLLM 0.32 / 0.33) or ``(self)`` (0.34)."""
 
-    def process_weights_after_loading(self: nn.Module, act_dtype: torch.dtype) -> None:
+    def run(self: nn.Module, act_dtype: torch.dtype, upstream: Callable[[], None]) -> None:
         name = getattr(self, "layer_name", type(self).__name__)
         reason = delegate_reason(self)
         if reason is not None:
             telemetry.record_post_load(name, f"delegated: {reason}")
-            result = original(self, act_dtype)
+            result = upstream()
             _bind_route(self, name)
             fused_query.bind(self, name)
             wake_check.STATE.register(self, name)
@@ -193,6 +202,16 @@ def make_process_weights_after_loading(original: Callable) -> Callable:
             _bind_route(self, name)
         fused_query.bind(self, name)  # VLLM_MLA_QUERY: the deferred query bmm and its consumer
         wake_check.STATE.register(self, name)  # after every (re)load: allocates nothing
+
+    if "act_dtype" in inspect.signature(original).parameters:
+
+        def process_weights_after_loading(self: nn.Module, act_dtype: torch.dtype) -> None:
+            return run(self, act_dtype, lambda: original(self, act_dtype))
+
+    else:  # vLLM 0.34: the layer holds its activation dtype
+
+        def process_weights_after_loading(self: nn.Module) -> None:
+            return run(self, self.act_dtype, lambda: original(self))
 
     process_weights_after_loading.__doc__ = original.__doc__
     process_weights_after_loading.__qualname__ = original.__qualname__

@@ -12,6 +12,11 @@ How: the original runs; when it left the draft's backend unset, the draft model 
 model and the target selected B12X_MLA_SPARSE, the draft gets the target's selection. An
 explicit ``speculative_config.attention_backend`` is kept as given.
 Removal: when vLLM lets a draft inherit an out-of-tree backend of its target.
+
+vLLM 0.34 does (the removal condition, met there): the draft's config is the target's with
+``SpeculativeConfig.apply_draft_overrides`` (``config/speculative.py``), which overrides the
+attention backend only when ``speculative_config.attention_backend`` is set, and
+``llm_base_proposer`` is gone. The registry's ``upstream_at`` leaves the patch out there.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from vllm_mla.ops.dcp import DCPShard
-from vllm_mla.vllm.sparse import indexer, kpool_indexer
+from vllm_mla.vllm.sparse import indexer, kernel_targets, kpool_indexer
 
 logger = logging.getLogger("vllm_mla")
 PREFILL_KERNEL = "vllm.v1.attention.backends.mla.indexer.BuildPrefillChunkMetadataKernel.kernel"
@@ -35,43 +35,41 @@ DECODE_KERNEL = "vllm.v1.attention.backends.mla.indexer.PrepareUniformDecodeKern
 _registered: str | None = None
 
 
-def build_prefill_chunk_metadata(
-    query_start_loc_ptr: torch.Tensor,
-    uncompressed_seq_lens_ptr: torch.Tensor,
-    cu_compressed_seq_lens_ptr: torch.Tensor,
-    row_start_cu_compressed_seq_lens_ptr: torch.Tensor,
-    token_to_seq_ptr: torch.Tensor,
-    cu_compressed_seq_len_ks_ptr: torch.Tensor,
-    cu_compressed_seq_len_ke_ptr: torch.Tensor,
-    query_slice_start: int,
-    query_slice_stop: int,
-    DCP_RANK: int,  # the kernel's own parameter names: launches bind by name
-    DCP_WORLD: int,
-    DCP_INTERLEAVE: int,
-    BLOCK_SIZE: int = 0,
-    COMPRESS_RATIO: int = 1,
-) -> None:
+def build_prefill_chunk_metadata(*args, **kwargs) -> None:
     """The kernel's outputs, in torch: per token ``ks`` = its request's row start, ``ke`` =
     row start + causal context length (compressed); ``token_to_seq`` per gathered key.
-    Under DCP (``DCP_WORLD`` > 1) the row starts are this rank's and the context length
-    is the part of it this rank holds (``DCPShard.local_length``, the kernel's formula)."""
-    shard = DCPShard(int(DCP_WORLD), int(DCP_RANK), int(DCP_INTERLEAVE))
-    num_reqs = uncompressed_seq_lens_ptr.numel()
-    for req in range(num_reqs):
-        q0, q1 = int(query_start_loc_ptr[req]), int(query_start_loc_ptr[req + 1])
-        s0, s1 = int(cu_compressed_seq_lens_ptr[req]), int(cu_compressed_seq_lens_ptr[req + 1])
-        row_start = int(row_start_cu_compressed_seq_lens_ptr[req])
-        start_pos = int(uncompressed_seq_lens_ptr[req]) - (q1 - q0)
-        token_to_seq_ptr[s0:s1] = req
+    A token's context is its position + 1: from ``positions_ptr`` where vLLM passes one
+    (0.34, ShardQ: a request's tokens need not be its last ones), else the request's last
+    tokens. Under DCP (``DCP_WORLD`` > 1) the row starts are this rank's and the context
+    length is the part of it this rank holds (``DCPShard.local_length``, the kernel's
+    formula). Arguments are read by the installed kernel's parameter names."""
+    a = kernel_targets.bind(PREFILL_KERNEL, args, kwargs)
+    query_start_loc, slice_start, slice_stop = (
+        a["query_start_loc_ptr"],
+        a["query_slice_start"],
+        a["query_slice_stop"],
+    )
+    seq_lens, cu_compressed = a["uncompressed_seq_lens_ptr"], a["cu_compressed_seq_lens_ptr"]
+    ks, ke = a["cu_compressed_seq_len_ks_ptr"], a["cu_compressed_seq_len_ke_ptr"]
+    positions = a.get("positions_ptr")
+    ratio = int(a.get("COMPRESS_RATIO", 1))
+    shard = DCPShard(int(a["DCP_WORLD"]), int(a["DCP_RANK"]), int(a["DCP_INTERLEAVE"]))
+    for req in range(seq_lens.numel()):
+        q0, q1 = int(query_start_loc[req]), int(query_start_loc[req + 1])
+        s0, s1 = int(cu_compressed[req]), int(cu_compressed[req + 1])
+        row_start = int(a["row_start_cu_compressed_seq_lens_ptr"][req])
+        a["token_to_seq_ptr"][s0:s1] = req
         absolute = torch.arange(q0, q1)
-        keep = (absolute >= query_slice_start) & (absolute < query_slice_stop)
-        out = (absolute - query_slice_start)[keep]
-        context = (start_pos + 1 + torch.arange(q1 - q0))[keep] // COMPRESS_RATIO
-        context = shard.local_length(context)
-        cu_compressed_seq_len_ks_ptr[out] = row_start
-        cu_compressed_seq_len_ke_ptr[out] = (row_start + context).to(
-            cu_compressed_seq_len_ke_ptr.dtype
-        )
+        keep = (absolute >= slice_start) & (absolute < slice_stop)
+        out = (absolute - slice_start)[keep]
+        if positions is not None:
+            context = positions[q0:q1].long() + 1
+        else:
+            start_pos = int(seq_lens[req]) - (q1 - q0)
+            context = start_pos + 1 + torch.arange(q1 - q0)
+        context = shard.local_length(context[keep] // ratio)
+        ks[out] = row_start
+        ke[out] = (row_start + context).to(ke.dtype)
 
 
 def prepare_uniform_decode(
@@ -113,6 +111,7 @@ def register() -> str:
     if not HAS_TRITON:
         from vllm.triton_utils.dispatcher import register_kernels
 
+        kernel_targets.remember(PREFILL_KERNEL)  # its parameter order, before the override
         register_kernels(
             {PREFILL_KERNEL: build_prefill_chunk_metadata, DECODE_KERNEL: prepare_uniform_decode}
         )

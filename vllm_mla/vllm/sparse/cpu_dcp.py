@@ -13,7 +13,10 @@ runs that vLLM CPU (no Triton) cannot.
 Both go through vLLM's extension API (``vllm.triton_utils.dispatcher.register_kernels``),
 installed by ``B12XMLASparseImpl`` when it is built with a DCP group on a CPU platform
 without Triton: that is after vLLM's worker registered its own CPU kernels (a plugin
-loads before that, and vLLM's registration would replace ours). Once per process.
+loads before that, and vLLM's registration would replace ours). Once per process. A
+kernel the installed vLLM does not have is not overridden, and the outcome names it:
+vLLM 0.34 has no ``ComputeSlotMappingKernel`` (x86 CPUs run its GPU model runner, whose
+block table computes slots in Triton, with triton-cpu).
 """
 
 from __future__ import annotations
@@ -135,11 +138,19 @@ def install() -> str:
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.v1.attention.ops import dcp
 
+    from vllm_mla.vllm.sparse.kernel_targets import kernel_at
+
+    stand_ins = {SLOT_KERNEL: compute_slot_mapping, COMBINE_KERNEL: correct_attn_cp_out}
+    absent = [name for name in stand_ins if kernel_at(name) is None]
     constexprs = _constexpr_positions(dcp.CorrectAttnCPOutKernel.kernel)
-    register_kernels({SLOT_KERNEL: compute_slot_mapping, COMBINE_KERNEL: correct_attn_cp_out})
+    register_kernels({k: v for k, v in stand_ins.items() if k not in absent})
     # the launcher counts its regular arguments as len(arg_names) - len(constexprs)
     dcp.CorrectAttnCPOutKernel.kernel.constexprs = constexprs
-    _installed = "DCP slot mapping and LSE correction in torch (register_kernels)"
+    _installed = "DCP LSE correction in torch (register_kernels)"
+    if SLOT_KERNEL not in absent:
+        _installed = "DCP slot mapping and LSE correction in torch (register_kernels)"
+    if absent:
+        _installed += f"; not in this vLLM, so not overridden: {', '.join(absent)}"
     logger.info("vllm-mla: %s", _installed)
     return _installed
 

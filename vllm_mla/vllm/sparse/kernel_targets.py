@@ -1,0 +1,59 @@
+"""vLLM Triton kernels our CPU stand-ins replace: found by dotted name, bound by name.
+
+``vllm.triton_utils.dispatcher.register_kernels`` calls an override with the arguments
+vLLM's launcher passes, positionally, in the kernel's own parameter order; that order
+changes between vLLM versions (0.34 inserted ``positions_ptr`` into the indexer's prefill
+chunk kernel). A stand-in therefore reads its arguments by the installed kernel's
+parameter names (``bind``), captured before the override replaces the kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+_SIGNATURES: dict[str, inspect.Signature] = {}
+
+
+def kernel_at(path: str) -> object | None:
+    """The object at ``module.Class.attr`` (None when the module or an attribute is absent)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            owner = getattr(owner, name, None)
+            if owner is None:
+                return None
+        return owner
+    return None
+
+
+def _function(kernel: object) -> Callable:
+    return getattr(kernel, "fn", None) or getattr(kernel, "func", None) or kernel
+
+
+def remember(path: str) -> None:
+    """Record the installed kernel's signature (call before overriding it)."""
+    if path not in _SIGNATURES:
+        kernel = kernel_at(path)
+        if kernel is None:
+            raise LookupError(f"vLLM has no kernel {path}")
+        _SIGNATURES[path] = inspect.signature(_function(kernel))
+
+
+def bind(path: str, args: tuple, kwargs: dict) -> dict[str, object]:
+    """A launch's arguments by the kernel's parameter names; absent ones are missing.
+    Without a recorded signature (no vLLM: a direct call) only keywords are accepted."""
+    signature = _SIGNATURES.get(path)
+    if signature is None:
+        if args:
+            raise TypeError(
+                f"{path}: positional arguments need the installed kernel's parameter order "
+                "(kernel_targets.remember runs when the stand-in is registered); pass keywords"
+            )
+        return dict(kwargs)
+    return dict(signature.bind_partial(*args, **kwargs).arguments)
