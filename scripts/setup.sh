@@ -87,7 +87,9 @@ if [[ -n "$extras" ]]; then
   # vLLM 0.34, the newest release. Its flashinfer pin is not on the package index:
   # scripts/vllm_env.py installs it with its requirements, that pin replaced (the why
   # is there). b12x at the version the sparse runner was written against, so
-  # tests_vllm/test_b12x_signatures.py checks the runner's b12x surface for real.
+  # tests_vllm/test_b12x_signatures.py checks the runner's b12x surface against that
+  # release (FlashInfer 0.7.x embeds its own b12x copy, aliased as `b12x` where no release
+  # is installed: the vLLM 0.33 environment checks that copy).
   if ! .venv-vllm-034/bin/python -c "import vllm, pytest" 2>/dev/null; then
     "$python" scripts/vllm_env.py install .venv-vllm-034 0.34.0 pytest "setuptools>=68"
   fi

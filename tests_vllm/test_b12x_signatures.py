@@ -35,10 +35,21 @@ def b12x() -> types.ModuleType:
     return importlib.import_module(b12x_runner.B12X_MODULE)
 
 
-def test_the_installed_b12x_is_the_release_the_runner_declares():
-    from importlib.metadata import version
+def test_the_b12x_checked_here_is_the_declared_release_or_flashinfers_copy():
+    """``scripts/setup.sh`` installs the release the runner declares into the vLLM 0.34
+    environment. FlashInfer (0.7.x, a vLLM dependency) also embeds b12x
+    (``flashinfer/experimental/b12x``) and aliases it as ``b12x`` where no b12x release is
+    installed, as in the vLLM 0.33 environment: that copy has no release version, and the
+    signatures below are checked against it."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    assert version("b12x") == b12x_runner.B12X_VERSION
+    try:
+        installed = version("b12x")
+    except PackageNotFoundError:
+        module = importlib.import_module(b12x_runner.B12X_MODULE)
+        assert "/flashinfer/experimental/b12x/" in module.__file__.replace("\\", "/")
+        return
+    assert installed == b12x_runner.B12X_VERSION
 
 
 @pytest.mark.parametrize("name", sorted(b12x_runner.B12X_FUNCTIONS))
