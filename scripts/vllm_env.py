@@ -12,7 +12,9 @@ so ``pip install vllm==0.34.0`` fails to resolve. So vLLM is installed without i
 dependencies, then its own requirement list (its ``Requires-Dist``, markers evaluated for
 the environment's interpreter) is installed with the pins in ``OVERRIDES`` replaced. An
 override names the exact pin it replaces, so a later vLLM with another pin gets its own
-pin (and fails loudly if the index lacks that one too). Used by ``scripts/setup.sh`` and
+pin (and fails loudly if the index lacks that one too). pip then reports the moved pin as a
+dependency conflict ("vllm 0.34.0 requires flashinfer-python==0.7.3, but you have ...");
+that line is expected and the install succeeds. Used by ``scripts/setup.sh`` and
 ``scripts/check_newest_vllm.sh``.
 """
 
