@@ -345,7 +345,6 @@ def test_install_names_a_kernel_this_vllm_lacks(monkeypatch):
     outcome = cpu_dcp.install()
     assert set(registered) == {cpu_dcp.COMBINE_KERNEL}
     assert f"not overridden: {cpu_dcp.SLOT_KERNEL}" in outcome
-    monkeypatch.setattr(cpu_dcp, "_installed", None)
 
 
 @pytest.mark.parametrize(("n", "rank", "interleave"), [(2, 0, 1), (2, 1, 1), (4, 3, 16)])

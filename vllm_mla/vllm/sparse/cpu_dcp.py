@@ -21,7 +21,6 @@ block table computes slots in Triton, with triton-cpu).
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -118,13 +117,6 @@ def correct_attn_cp_out(
     new_output_ptr.copy_(corrected.to(new_output_ptr.dtype))
 
 
-def _constexpr_positions(kernel: object) -> tuple[int, ...]:
-    """Positions of the ``tl.constexpr`` parameters of a Triton kernel's function."""
-    fn = getattr(kernel, "fn", None) or getattr(kernel, "func", None) or kernel
-    params = inspect.signature(fn).parameters.values()
-    return tuple(index for index, p in enumerate(params) if str(p.annotation).endswith("constexpr"))
-
-
 def install() -> str:
     """Register both stand-ins (once per process, CPU without Triton); what happened."""
     global _installed
@@ -138,11 +130,11 @@ def install() -> str:
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.v1.attention.ops import dcp
 
-    from vllm_mla.vllm.sparse.kernel_targets import kernel_at
+    from vllm_mla.vllm.sparse.kernel_targets import constexpr_positions, kernel_at
 
     stand_ins = {SLOT_KERNEL: compute_slot_mapping, COMBINE_KERNEL: correct_attn_cp_out}
     absent = [name for name in stand_ins if kernel_at(name) is None]
-    constexprs = _constexpr_positions(dcp.CorrectAttnCPOutKernel.kernel)
+    constexprs = constexpr_positions(dcp.CorrectAttnCPOutKernel.kernel)
     register_kernels({k: v for k, v in stand_ins.items() if k not in absent})
     # the launcher counts its regular arguments as len(arg_names) - len(constexprs)
     dcp.CorrectAttnCPOutKernel.kernel.constexprs = constexprs

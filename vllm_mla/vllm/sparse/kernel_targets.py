@@ -32,8 +32,15 @@ def kernel_at(path: str) -> object | None:
     return None
 
 
-def _function(kernel: object) -> Callable:
+def function_of(kernel: object) -> Callable:
+    """The Python function behind a Triton kernel (or its launcher), or the object itself."""
     return getattr(kernel, "fn", None) or getattr(kernel, "func", None) or kernel
+
+
+def constexpr_positions(kernel: object) -> tuple[int, ...]:
+    """Positions of the ``tl.constexpr`` parameters of a Triton kernel's function."""
+    params = inspect.signature(function_of(kernel)).parameters.values()
+    return tuple(index for index, p in enumerate(params) if str(p.annotation).endswith("constexpr"))
 
 
 def remember(path: str) -> None:
@@ -42,7 +49,7 @@ def remember(path: str) -> None:
         kernel = kernel_at(path)
         if kernel is None:
             raise LookupError(f"vLLM has no kernel {path}")
-        _SIGNATURES[path] = inspect.signature(_function(kernel))
+        _SIGNATURES[path] = inspect.signature(function_of(kernel))
 
 
 def bind(path: str, args: tuple, kwargs: dict) -> dict[str, object]:
