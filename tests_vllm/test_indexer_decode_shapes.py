@@ -203,3 +203,98 @@ def test_the_torch_stand_in_equals_vllms_triton_kernel():
         cwd=Path(__file__).parent,
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize(
+    ("k", "lens"),
+    [
+        (1, [2, 2, 2]),  # MTP 1, native [B, 2]
+        (3, [4, 4, 4]),  # MTP 3 flattened through PrepareUniformDecodeKernel
+        (3, [4, 2, 3]),  # ragged drafts flattened
+    ],
+)
+def test_under_dcp_every_decode_token_gets_its_shards_context(k, lens, interleave):
+    """The same layouts on each rank of a DCP group of 2: vLLM's builder localizes every
+    token's length to the rank's shard itself (per token, after expanding: its own
+    ``_dcp_localize_decode_seq_lens``); ``dcp_contexts`` must hand each token exactly that,
+    which is vLLM's ``get_dcp_local_seq_lens`` of the token's global causal length."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    from vllm_mla.ops.dcp import DCPShard
+    from vllm_mla.vllm.sparse.indexer import dcp_contexts
+
+    if lens == [4, 4, 4]:
+        needs_the_torch_stand_in()
+    want_global, want_blocks = truth(lens)
+    for rank in range(2):
+        builder, config = builder_for(k)
+        builder.dcp_world_size, builder.dcp_rank = 2, rank  # what a DCP rank's builder holds
+        builder.dcp_rank_tensor = torch.tensor(rank, dtype=torch.int32)
+        builder.cp_kv_cache_interleave_size = interleave
+        common = batch(lens)
+        common.dcp_local_seq_lens = get_dcp_local_seq_lens(common.seq_lens, 2, rank, interleave)
+        with set_current_vllm_config(config):
+            meta = builder.build(0, common)
+        assert not meta.decode.requires_padding  # a shorter request is a prefill here
+        ((rows, tables, lengths, _),) = dcp_contexts(meta, DCPShard(2, rank, interleave))
+        want = get_dcp_local_seq_lens(torch.tensor(want_global), 2, rank, interleave)
+        assert rows.tolist() == list(range(sum(lens)))
+        assert lengths.tolist() == want.tolist(), (rank, lengths.tolist(), want.tolist())
+        assert tables[:, 0].tolist() == want_blocks
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_under_dcp_padded_native_batches_count_each_requests_own_tokens(interleave):
+    """vLLM's native preparation of requests of 3, 1, 4 and 0 tokens (requires_padding),
+    then its own per-token DCP localization: each real token gets the local length of its
+    global causal length on each rank, the padding none. A length computed from the last
+    column (right without DCP) is wrong here: a rank's local lengths are not consecutive."""
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    from vllm_mla.ops.dcp import DCPShard
+    from vllm_mla.vllm.sparse.indexer import dcp_contexts
+
+    lens = torch.tensor([3, 1, 4, 0], dtype=torch.int32)
+    seq = torch.tensor([40, 37, 42, 0], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    table = torch.arange(4 * WIDTH, dtype=torch.int32).view(4, WIDTH)
+    want_global = [38, 39, 40, 37, 39, 40, 41, 42]
+    for rank in range(2):
+        builder, _ = builder_for(3)
+        builder.dcp_world_size, builder.dcp_rank = 2, rank
+        builder.dcp_rank_tensor = torch.tensor(rank, dtype=torch.int32)
+        builder.cp_kv_cache_interleave_size = interleave
+        seq_lens, block_table, decode_lens, _, padded = builder._prepare_decode_tensors(
+            seq_lens=seq,
+            block_table=table,
+            decode_lens=lens,
+            decode_lens_cpu=lens,
+            query_start_loc=qsl,
+            num_decodes=4,
+            num_decode_tokens=8,
+            use_native=True,
+            next_n=4,
+            max_decode_len=4,
+        )
+        assert padded and seq_lens.shape == (4, 4)
+        seq_lens = builder._dcp_localize_decode_seq_lens(seq_lens, 4, True)
+        decode = SimpleNamespace(
+            seq_lens=seq_lens,
+            block_table=block_table,
+            decode_lens=decode_lens,
+            requires_padding=True,
+        )
+        meta = SimpleNamespace(
+            num_decodes=4,
+            num_decode_tokens=8,
+            decode=decode,
+            num_prefills=0,
+            prefill=None,
+            max_seq_len=42,
+        )
+        ((_, tables, lengths, _),) = dcp_contexts(meta, DCPShard(2, rank, interleave))
+        want = get_dcp_local_seq_lens(torch.tensor(want_global), 2, rank, interleave)
+        assert lengths.tolist() == want.tolist(), (rank, lengths.tolist(), want.tolist())
+        assert tables[:, 0].tolist() == [0, 0, 0, 4, 8, 8, 8, 8]

@@ -35,9 +35,27 @@ def test_register_patches_the_lifecycle_target(registered):
         "(_DecodeConcatQuantFP8.register_oot, forward_mqa wrap; VLLM_MLA_QUERY=auto)",
         "cpu-mxfp8": "registered EmulationMxfp8LinearKernel for CPU (register_linear_kernel)",
         "wake-check": "applied Worker.sleep, Worker.wake_up, Worker.execute_model",
+        "tp-pad": "skipped: off (VLLM_MLA_TP_PAD=1 turns it on)",  # opt-in
     }
     assert registered["sparse-indexer"].startswith("skipped: for cuda only")  # CPU here
     assert current() is not STOCK and current().__wrapped__ is STOCK
+
+
+def test_tp_pad_applies_only_when_turned_on(monkeypatch):
+    from vllm.config.model import ModelConfig
+
+    stock = ModelConfig.verify_with_parallel_config
+    plugin.reset()
+    monkeypatch.setenv("VLLM_MLA_TP_PAD", "1")
+    try:
+        assert plugin.register()["tp-pad"] == (
+            "applied ModelConfig.verify_with_parallel_config, "
+            "DefaultModelLoader.get_all_weights, pad_vocab_size"
+        )
+        assert ModelConfig.verify_with_parallel_config.__wrapped__ is stock
+    finally:
+        plugin.reset()
+    assert ModelConfig.verify_with_parallel_config is stock
 
 
 def test_cpu_mxfp8_makes_vllm_select_a_kernel_on_cpu(registered):

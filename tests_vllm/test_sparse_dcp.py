@@ -121,13 +121,14 @@ def test_vllms_start_up_check_accepts_our_impl_under_dcp(monkeypatch, cpu_sessio
     assert caps.num_heads == 2 * H and caps.return_lse and caps.dcp  # the gathered heads
 
 
-def test_dcp_with_speculative_decoding_is_refused_at_start_up(monkeypatch, cpu_session):
+def test_dcp_with_speculative_decoding_builds_the_dcp_impl(monkeypatch, cpu_session):
+    """DCP together with speculative decoding is served (tests_e2e/test_topology.py runs
+    MTP 3 and ngram under DCP in engines): the impl builds with its DCP caps."""
     buffer = torch.full((8, TOPK), -1, dtype=torch.int32)
     with dcp_config(monkeypatch, 2, 0) as config:
         monkeypatch.setattr(config, "speculative_config", SimpleNamespace(method="mtp"))
-        named = r"decode_context_parallel_size=2 together with speculative_config"
-        with pytest.raises(NotImplementedError, match=named):
-            build_impl(H, "fp8_ds_mla", buffer)
+        impl = build_impl(H, "fp8_ds_mla", buffer)
+    assert impl.dcp == DCPShard(2, 0, 1) and impl.caps.dcp and impl.caps.num_heads == 2 * H
 
 
 def test_b12x_declines_dcp_and_triton_serves(monkeypatch, cpu_session, caplog):

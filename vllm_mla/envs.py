@@ -13,7 +13,8 @@ lightning indexer and torch stand-ins for vLLM's Triton-only metadata kernels),
 ``sparse-indexer`` (CUDA: the portable Triton DSA indexer where ``VLLM_MLA_INDEXER`` picks
 it), ``cpu-mxfp8`` (CPU platform only: vLLM's emulation MXFP8 linear kernel registered for
 CPU, so MXFP8 checkpoints load) and ``wake-check`` (catches MLA weights discarded by sleep
-level 2 and not reloaded).
+level 2 and not reloaded), ``tp-pad`` (applied only with ``VLLM_MLA_TP_PAD=1``: head-padded
+tensor parallelism, ``vllm_mla.tp_pad``).
 
 Build time only, read by setup.py (which cannot import the package): ``VLLM_MLA_CUDA_ARCHS``
 (listed in ``VARIABLES`` too).
@@ -33,6 +34,7 @@ FEATURES = (
     "sparse-indexer",
     "cpu-mxfp8",
     "wake-check",
+    "tp-pad",
 )
 SAFE_BMM_MODES = ("auto", "always", "never")
 ABSORBED_MODES = ("bf16", "direct", "auto")
@@ -96,6 +98,14 @@ VARIABLES: tuple[Variable, ...] = (
         WAKE_CHECK_MODES,
         "what the first step after a level-2 wake-up does when an MLA layer's weights no "
         "longer match their fingerprint",
+    ),
+    Variable(
+        "VLLM_MLA_TP_PAD",
+        "0",
+        "bool",
+        "`1`: a TP size that does not divide the heads (or MLP widths, vocabulary) pads them "
+        "with inert zero heads and rows (64 heads at TP 6: 66, 11 per rank); DeepSeek-V2/V3, "
+        "V3.2 and GLM-5 checkpoints; off: vLLM refuses such a TP size",
     ),
     Variable(
         "VLLM_MLA_SPARSE_CUSTOM",
@@ -175,6 +185,11 @@ def plugin_features() -> tuple[frozenset[str], tuple[str, ...]]:
     return frozenset(n for n in names if n in FEATURES), tuple(
         n for n in names if n not in FEATURES
     )
+
+
+def tp_pad() -> bool:
+    """``VLLM_MLA_TP_PAD``: the ``tp-pad`` feature applies only when it is on."""
+    return _flag("VLLM_MLA_TP_PAD")
 
 
 def safe_bmm_mode() -> str:

@@ -236,6 +236,14 @@ def _render(report: dict, console: Console) -> None:
         f"{_mib(report['scratch_bound_bytes'])} MiB ({_chunk(report)} per chunk); "
         f"{report['elapsed_s']:.1f} s"
     )
+    pad = report["padding"]
+    if pad["padded_heads_total"] != pad["heads"]:
+        console.print(
+            f"head padding: {pad['heads']} heads -> {pad['padded_heads_total']} at TP "
+            f"{report['tp']} ({pad['padded_heads_on_rank']} on this rank): the absorbed pair "
+            f"grows {_mib(pad['pair_bytes_on_rank'])} MiB on this rank, "
+            f"{_mib(pad['pair_bytes_all_ranks'])} MiB on all ranks (vLLM: VLLM_MLA_TP_PAD=1)"
+        )
     failed = set(failed_checks(report))
     for name, value in report["checks"].items():
         mark = "[red]FAIL[/]" if name in failed else "[green]ok[/]"

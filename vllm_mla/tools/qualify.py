@@ -175,6 +175,27 @@ def _parity(lean: list[MLALayer], reference: list[tuple]) -> tuple[float, bool]:
     return parity, bit_identical
 
 
+def _padding(geo: RankGeometry, lean: list[MLALayer], act: torch.dtype) -> dict:
+    """What head padding costs and whether it is inert: the model's heads and the padded
+    total (TP sizes that do not divide them: ``geometry.MLAGeometry.shard``), this rank's
+    padded heads, the absorbed pair bytes they take on this rank and on all ranks, and
+    whether every padded head's pair is exactly zero (from zero kv_b_proj rows)."""
+    m = geo.model
+    per_head = (m.qk_nope_head_dim * m.kv_lora_rank + m.kv_lora_rank * m.v_head_dim) * (
+        torch.empty((), dtype=act).element_size()
+    )
+    total = geo.num_heads * geo.tp
+    zero = all(bool((t[geo.real_heads :] == 0).all()) for layer in lean for t in dense_pair(layer))
+    return {
+        "heads": m.num_heads,
+        "padded_heads_total": total,
+        "padded_heads_on_rank": geo.padded_heads,
+        "pair_bytes_on_rank": geo.padded_heads * per_head * len(lean),
+        "pair_bytes_all_ranks": (total - m.num_heads) * per_head * len(lean),
+        "padded_heads_zero": zero,
+    }
+
+
 def _notes(cfg: QualifyConfig, action: str) -> list[str]:
     notes = []
     if cfg.mha_prefill:
@@ -245,6 +266,7 @@ def run_qualify(
         timelines,
     )
     parity, bit_identical = _parity(lean_layers, reference)
+    padding = _padding(geo, lean_layers, act)
     idempotent = all(post_load(lay, act, lifecycle).action == "noop" for lay in lean_layers)
     del reference
     released = lifecycle.release_source and lean["source_bytes"] == 0
@@ -259,6 +281,7 @@ def run_qualify(
         "rank": cfg.rank,
         "heads_per_rank": geo.num_heads,
         "real_heads": geo.real_heads,
+        "padding": padding,
         "layers": len(per_layer),
         "weights": f.name,
         "absorbed": cfg.absorbed,
@@ -280,6 +303,7 @@ def run_qualify(
             "reload_values_correct": reload["correct"],
             "regenerated_after_release": released and reload["correct"],
             "postload_idempotent": idempotent,
+            "padded_heads_zero": padding["padded_heads_zero"],
         },
         "release_requested": lifecycle.release_source,
         "notes": _notes(cfg, reports[0].action),
@@ -291,6 +315,7 @@ def failed_checks(report: dict) -> list[str]:
     """Names of the checks that apply to this run and did not pass."""
     checks = report["checks"]
     names = ["parity_ok", "reload_pointers_stable", "reload_values_correct", "postload_idempotent"]
+    names += ["padded_heads_zero"]
     if report["release_requested"]:
         names += ["source_released", "regenerated_after_release"]
     return [n for n in names if not checks[n]]

@@ -54,7 +54,10 @@ def register() -> dict[str, str]:
     from vllm_mla.vllm import patches
 
     features, unknown = envs.plugin_features()
-    _result = patches.apply(features)
+    # opt-in: without VLLM_MLA_TP_PAD=1 vLLM keeps refusing TP sizes that do not divide
+    off = features & ({"tp-pad"} if not envs.tp_pad() else set())
+    _result = patches.apply(features - off)
+    _result.update(dict.fromkeys(off, "skipped: off (VLLM_MLA_TP_PAD=1 turns it on)"))
     if _result.get("sparse", "").startswith("applied"):
         from vllm_mla.vllm.sparse import registration
 

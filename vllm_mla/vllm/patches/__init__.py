@@ -110,6 +110,25 @@ module is imported)
     why: the first step after the wake-up is the last moment before garbage is served
     removal: with ``wake_check_sleep``
 
+``tp_pad_config`` (feature ``tp-pad``, on with ``VLLM_MLA_TP_PAD=1``)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.config.model.ModelConfig.verify_with_parallel_config``
+    why: vLLM refuses every TP size that does not divide the attention heads
+    removal: when vLLM pads heads for tensor parallelism itself
+
+``tp_pad_weights`` (feature ``tp-pad``)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.model_executor.model_loader.default_loader``
+    ``.DefaultModelLoader.get_all_weights``
+    why: the checkpoint holds the real widths, the padded config sizes the shards
+    removal: with ``tp_pad_config``
+
+``tp_pad_vocab`` (feature ``tp-pad``)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.model_executor.layers.vocab_parallel_embedding.pad_vocab_size``
+    why: vLLM divides the 64-padded vocabulary by the TP size, which 3 or 6 ranks fail
+    removal: with ``tp_pad_config``
+
 The ``sparse`` feature also registers the ``B12X_MLA_SPARSE`` backend (and ``CUSTOM``)
 through ``vllm_mla.vllm.sparse.registration``, and ``sparse-cpu`` registers the CPU DSA
 indexer (``SparseAttnIndexer.register_oot``) and a torch stand-in for the indexer
@@ -413,6 +432,45 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_mla.vllm.patches.cpu_glm5next_indexer_weights:make_init",
         platforms=("cpu",),
         on_import=True,
+    ),
+    Patch(
+        name="tp_pad_config",
+        feature="tp-pad",
+        module="vllm.config.model",
+        qualname="ModelConfig.verify_with_parallel_config",
+        params=("self", "parallel_config"),
+        versions=SUPPORTED_VLLM,
+        why="vLLM refuses every tensor-parallel size that does not divide the attention heads",
+        how="before the original, vllm_mla.tp_pad.plan pads the HF config's heads and MLP "
+        "widths to sizes TP divides and records the padding on it (every worker gets it)",
+        removal="when vLLM pads heads for tensor parallelism itself",
+        factory="vllm_mla.vllm.patches.tp_pad_config:make_verify_with_parallel_config",
+    ),
+    Patch(
+        name="tp_pad_weights",
+        feature="tp-pad",
+        module="vllm.model_executor.model_loader.default_loader",
+        qualname="DefaultModelLoader.get_all_weights",
+        params=("self", "model_config", "model"),
+        versions=SUPPORTED_VLLM,
+        why="the checkpoint holds the real widths; the padded config sizes the shards",
+        how="with a padding record on the config, each tensor is zero-padded by name "
+        "(vllm_mla.tp_pad.pad_tensor); load and reload both read here",
+        removal="with tp_pad_config",
+        factory="vllm_mla.vllm.patches.tp_pad_weights:make_get_all_weights",
+    ),
+    Patch(
+        name="tp_pad_vocab",
+        feature="tp-pad",
+        module="vllm.model_executor.layers.vocab_parallel_embedding",
+        qualname="pad_vocab_size",
+        params=("vocab_size", "pad_to"),
+        versions=SUPPORTED_VLLM,
+        why="vLLM divides the 64-padded vocabulary by the TP size, which 3 or 6 ranks fail",
+        how="the original's size grown to a multiple of lcm(pad_to, tp) where TP does not "
+        "divide it; the logits are cut back to the real vocabulary by vLLM",
+        removal="with tp_pad_config",
+        factory="vllm_mla.vllm.patches.tp_pad_vocab:make_pad_vocab_size",
     ),
     Patch(
         name="wake_check_sleep",

@@ -109,10 +109,8 @@ def register() -> str:
 
     done = [indexer.register("cpu"), kpool_indexer.register_on_import("cpu")]
     if not HAS_TRITON:
-        from vllm.triton_utils.dispatcher import register_kernels
-
         kernel_targets.remember(PREFILL_KERNEL)  # its parameter order, before the override
-        register_kernels(
+        kernel_targets.register(
             {PREFILL_KERNEL: build_prefill_chunk_metadata, DECODE_KERNEL: prepare_uniform_decode}
         )
         done.append(

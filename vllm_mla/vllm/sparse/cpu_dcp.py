@@ -127,15 +127,14 @@ def install() -> str:
     if HAS_TRITON:
         _installed = "DCP: vLLM's Triton kernels run here"
         return _installed
-    from vllm.triton_utils.dispatcher import register_kernels
     from vllm.v1.attention.ops import dcp
 
-    from vllm_mla.vllm.sparse.kernel_targets import constexpr_positions, kernel_at
+    from vllm_mla.vllm.sparse.kernel_targets import constexpr_positions, kernel_at, register
 
     stand_ins = {SLOT_KERNEL: compute_slot_mapping, COMBINE_KERNEL: correct_attn_cp_out}
     absent = [name for name in stand_ins if kernel_at(name) is None]
     constexprs = constexpr_positions(dcp.CorrectAttnCPOutKernel.kernel)
-    register_kernels({k: v for k, v in stand_ins.items() if k not in absent})
+    register({k: v for k, v in stand_ins.items() if k not in absent})
     # the launcher counts its regular arguments as len(arg_names) - len(constexprs)
     dcp.CorrectAttnCPOutKernel.kernel.constexprs = constexprs
     _installed = "DCP LSE correction in torch (register_kernels)"

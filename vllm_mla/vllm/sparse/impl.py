@@ -28,9 +28,11 @@ What it does (vLLM 0.33's impl contract):
   out 0, lse -inf) that vLLM's ``dcp_manager.combine`` merges. b12x declines DCP
   (``serving_impl``): its empty-row contract is unverified, and under DCP a row with none
   of a rank's tokens is routine, so Triton serves. Not served, refused at start-up with
-  the setting named: PCP (vLLM, by ``supports_pcp``), DCP together with speculative
-  decoding (``refuse_unserved_dcp``). On vLLM CPU two of vLLM's DCP kernels are Triton or
-  refuse context parallelism; ``cpu_dcp`` stands in for them.
+  the setting named: PCP (vLLM, by ``supports_pcp``). Speculative decoding (MTP, ngram)
+  under DCP is served: every decode token is a query row of its own with its own causal
+  bound, the indexer merges each token's candidates, and vLLM merges each token's rows by
+  their LSE. On vLLM CPU two of vLLM's DCP kernels are Triton or refuse context
+  parallelism; ``cpu_dcp`` stands in for them.
 - Attention sink (HY-V4): vLLM's ``MLAAttention`` hands the layer's learnable sink as the
   ``sinks`` kwarg (``HYV4MLAAttention``: an fp32 ``[heads]`` Parameter, the local TP
   shard, raw logits loaded after construction). The impl keeps that Parameter (never a
@@ -133,23 +135,6 @@ def dcp_shard(dcp_world_size: int, dcp_rank: int, parallel_config: object = None
         return NO_DCP
     interleave = int(getattr(parallel_config, "cp_kv_cache_interleave_size", 1))
     return DCPShard(int(dcp_world_size), int(dcp_rank), interleave)
-
-
-def refuse_unserved_dcp(shard: DCPShard) -> None:
-    """Start-up refusal (at model construction) of what this backend does not serve under
-    DCP, naming the setting: speculative decoding (its ragged decode batches are not
-    served by the DCP indexer path, and DCP + MTP is untested)."""
-    if shard.trivial:
-        return
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    if config is not None and config.speculative_config is not None:
-        raise NotImplementedError(
-            f"{NAME}: decode_context_parallel_size={shard.size} together with "
-            "speculative_config (speculative decoding, e.g. MTP) is not served; disable "
-            "one of them"
-        )
 
 
 def _dcp_on_this_platform() -> None:
@@ -291,7 +276,6 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         # dcp_world_size / dcp_rank: set by vLLM's AttentionImplBase.__new__
         self._parallel = _parallel_config()  # vLLM's object: its interleave is read again
         self.dcp = dcp_shard(self.dcp_world_size, self.dcp_rank, self._parallel)
-        refuse_unserved_dcp(self.dcp)
         if not self.dcp.trivial:
             _dcp_on_this_platform()
         # Under DCP vLLM gathers the query heads of the whole DCP group (query_gather).

@@ -115,8 +115,11 @@ def _decode_tokens(decode: object, num_tokens: int) -> tuple[torch.Tensor, ...]:
       draft + 1), ``[b, j] = L_b - n + j + 1``: request ``b``'s tokens are consecutive rows;
     - the same with ``requires_padding`` (requests of fewer tokens, e.g. the zero-length
       ones CUDA-graph padding adds): request ``b`` brings ``decode_lens[b]`` packed tokens,
-      token ``i`` of it attends to ``L_b - decode_lens[b] + 1 + i`` keys (``L_b`` is the last
-      column, whatever the padding); rows past the requests' tokens get length 0.
+      token ``i`` of it attends to ``L_b - decode_lens[b] + 1 + i`` keys, column
+      ``n - decode_lens[b] + i`` of its row; rows past the requests' tokens get length 0.
+      Read by column, not computed from ``L_b``: under DCP vLLM localizes every column to
+      this rank's shard on its own (``_dcp_localize_decode_seq_lens``), and a rank's local
+      lengths are not consecutive integers.
     """
     seq = decode.seq_lens
     if seq.dim() == 1:
@@ -132,8 +135,8 @@ def _decode_tokens(decode: object, num_tokens: int) -> tuple[torch.Tensor, ...]:
     rows = torch.arange(num_tokens, device=seq.device)
     owner = torch.searchsorted(ends, rows, right=True).clamp_max(requests - 1)
     position = rows - (ends - lens)[owner]
-    lengths = seq[:, -1].long()[owner] - lens[owner] + 1 + position
-    lengths = torch.where(rows < ends[-1], lengths.clamp_min(0), 0)
+    column = (width - lens[owner] + position).clamp(0, width - 1)  # clamped: padding rows
+    lengths = torch.where(rows < ends[-1], seq[owner, column].long().clamp_min(0), 0)
     return rows, decode.block_table[owner], lengths.to(torch.int32)
 
 
@@ -215,17 +218,8 @@ def dcp_contexts(
     decode = meta.decode
     bound = shard.local_bound(int(meta.max_seq_len))
     if meta.num_decodes and decode is not None:
-        if decode.requires_padding:
-            raise NotImplementedError(
-                "the portable DSA indexer under DCP serves uniform decode batches only "
-                "(ragged speculative-decode drafts are not served)"
-            )
-        seq = decode.seq_lens
-        per_req = seq.shape[1] if seq.dim() == 2 else 1
-        seq = seq.reshape(seq.shape[0], per_req)
-        rows = torch.arange(seq.numel(), device=seq.device)
-        tables = decode.block_table[: seq.shape[0]].repeat_interleave(per_req, dim=0)
-        groups.append((rows, tables, seq.reshape(-1).to(torch.int32), bound))
+        # every layout of step_contexts: vLLM localized each token's length already
+        groups.append((*_decode_tokens(decode, meta.num_decode_tokens), bound))
     prefill = meta.prefill
     if meta.num_prefills and prefill is not None:
         for chunk in prefill.chunks:

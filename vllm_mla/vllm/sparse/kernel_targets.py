@@ -64,3 +64,37 @@ def bind(path: str, args: tuple, kwargs: dict) -> dict[str, object]:
             )
         return dict(kwargs)
     return dict(signature.bind_partial(*args, **kwargs).arguments)
+
+
+def _unscannable(value: object) -> bool:
+    """Whether vLLM's holder scan (``_rebind_kernels``: ``vars(value).get``) fails on it.
+    llvmlite's ``ffi.lib`` (imported with numba, e.g. by vLLM's ngram proposer) answers
+    every attribute, ``__dict__`` included, with a C-function wrapper."""
+    try:
+        return hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+    except TypeError:
+        return False
+
+
+def register(overrides: dict[str, Callable]) -> None:
+    """``vllm.triton_utils.dispatcher.register_kernels(overrides)``, with the modules vLLM's
+    scan for other holders of a kernel cannot read (a value whose ``vars()`` is no mapping)
+    out of ``sys.modules`` for the call: such a module holds no Triton kernel, and without
+    this a process that imported numba before the first DCP layer stops with
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`` (vLLM 0.32 and
+    0.33; 0.34's scan reads only real dicts, and hiding changes nothing there)."""
+    import sys
+
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    hidden = {
+        name: module
+        for name, module in list(sys.modules.items())
+        if any(_unscannable(v) for v in list(getattr(module, "__dict__", {}).values()))
+    }
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        register_kernels(overrides)
+    finally:
+        sys.modules.update(hidden)

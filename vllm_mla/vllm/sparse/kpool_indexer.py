@@ -73,6 +73,7 @@ from vllm_mla.ops.kpool_indexer.reference import compressed_slot_mapping as refe
 from vllm_mla.ops.kpool_indexer.reference import expand_pools_and_tail, quantize_query
 from vllm_mla.vllm import on_import, telemetry
 from vllm_mla.vllm.sparse import indexer as dsa_indexer
+from vllm_mla.vllm.sparse import kernel_targets
 
 BASE_MODULE = "vllm.models.glm5next.nvidia.sparse_indexer"
 KERNELS_MODULE = "vllm.models.glm5next.nvidia.ops.kpool_compress"
@@ -573,7 +574,7 @@ def register_stand_ins() -> str:
     wanted = {s.kernel: s.impl for s in STAND_INS}
     missing = {n: impl for n, impl in wanted.items() if not _installed(dispatcher, n, impl)}
     if missing:  # a second registration would wrap our own wrapper
-        dispatcher.register_kernels(missing)
+        kernel_targets.register(missing)
     return (
         "kpool query quantization, pool slot mapping and the fused q/kv RMSNorm in torch "
         "(register_kernels)"
