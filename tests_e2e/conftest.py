@@ -40,6 +40,22 @@ def pytest_report_header(config):
     return f"CPU: VLLM_MLA_CPU_ISA={cpu_isa.applied()} (each engine job reports its library)"
 
 
+TOPOLOGY_TABLE: list[dict] = []  # test_topology's rows, printed (and written) at the end
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not TOPOLOGY_TABLE:
+        return
+    keys = list(TOPOLOGY_TABLE[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in TOPOLOGY_TABLE]
+    terminalreporter.write_sep("=", "topology matrix (vLLM CPU)")
+    terminalreporter.write_line("\n".join(lines))
+    path = os.environ.get("VLLM_MLA_TOPOLOGY_TABLE")
+    if path:
+        Path(path).write_text("\n".join(lines) + "\n")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.e2e)
@@ -62,6 +78,16 @@ def sparse_models(tmp_path_factory) -> dict[str, Path]:
     return {
         "first": make_model(root / "first", TinyModelSpec(seed=0, sparse=True)),
         "second": make_model(root / "second", TinyModelSpec(seed=1, sparse=True)),
+    }
+
+
+@pytest.fixture(scope="session")
+def mtp_models(tmp_path_factory) -> dict[str, Path]:
+    """The DSA pair with one MTP layer each (target layers identical to ``sparse_models``)."""
+    root = tmp_path_factory.mktemp("mtp-models")
+    return {
+        name: make_model(root / name, TinyModelSpec(seed=seed, sparse=True, mtp_layers=1))
+        for name, seed in (("first", 0), ("second", 1))
     }
 
 

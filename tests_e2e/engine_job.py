@@ -153,6 +153,75 @@ def _engine_state(model) -> dict:
     }
 
 
+# -- head-padded TP (VLLM_MLA_TP_PAD=1): the padded heads' part, read inside each worker ---
+def _padded_attention(model) -> list[tuple[str, object, list[int]]]:
+    """(name, attention module, this rank's padded local heads) of every MLA attention of a
+    padded model; [] without padding. Rank r of TP holds heads [r*n, (r+1)*n); those at or
+    past the checkpoint's real head count are padding."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    record = getattr(getattr(model, "config", None), "vllm_mla_tp_pad", None)
+    if record is None or "heads" not in record["widths"]:
+        return []
+    real = record["widths"]["heads"][0]
+    rank = get_tensor_model_parallel_rank()
+    found = []
+    for name, module in model.named_modules():
+        if hasattr(module, "o_proj") and hasattr(module, "num_local_heads"):
+            n = module.num_local_heads
+            found.append((name, module, [h for h in range(n) if rank * n + h >= real]))
+    return found
+
+
+def _watch_padded_heads(model) -> int:
+    """Before generating: a pre-hook on each padded attention's o_proj keeps the largest
+    |value| its padded heads' columns (their attention outputs) ever carry."""
+    seen = model.__dict__.setdefault("_padded_seen", {})
+    for name, module, heads in _padded_attention(model):
+        v = module.v_head_dim
+        cols = [h * v + i for h in heads for i in range(v)]
+        seen[name] = [0.0, 0]  # largest |value|, forward calls seen
+
+        def hook(mod, args, name=name, cols=cols):
+            x = args[0]
+            seen[name][1] += 1
+            if cols and x.numel():
+                seen[name][0] = max(seen[name][0], float(x[..., cols].abs().max()))
+
+        module.o_proj.register_forward_pre_hook(hook)
+    return len(seen)
+
+
+def _padded_state(model) -> dict:
+    """Per rank: padded heads held, the largest attention output they gave while serving,
+    their absorbed pair's largest |value|, and o_proj's local contribution from them (its
+    own kernel on an input of ones in those columns only, no all-reduce)."""
+    import torch
+
+    layers = _padded_attention(model)
+    state = {"padded_heads": 0, "output_max": 0.0, "pair_max": 0.0, "o_proj_max": 0.0}
+    state["calls"] = 0
+    seen = model.__dict__.get("_padded_seen", {})
+    for name, module, heads in layers:
+        state["padded_heads"] = len(heads)
+        largest, calls = seen.get(name, (float("nan"), 0))
+        state["output_max"] = max(state["output_max"], largest)
+        state["calls"] += calls
+        if not heads:
+            continue
+        pair = next(m for m in module.modules() if hasattr(m, "W_UK_T"))
+        for t in (pair.W_UK_T, pair.W_UV):
+            dense = t.dense_values() if hasattr(t, "dense_values") else t
+            state["pair_max"] = max(state["pair_max"], float(dense[heads].abs().max()))
+        o_proj, v = module.o_proj, module.v_head_dim
+        probe = torch.zeros(1, module.num_local_heads * v, dtype=torch.float32)
+        for h in heads:
+            probe[:, h * v : (h + 1) * v] = 1.0
+        out = o_proj.quant_method.apply(o_proj, probe.to(next(model.parameters()).dtype))
+        state["o_proj_max"] = max(state["o_proj_max"], float(out.abs().max()))
+    return state
+
+
 def register_cpu_mxfp8() -> None:
     from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
@@ -201,11 +270,16 @@ def main(
     start = time.perf_counter()
     llm = LLM(**kwargs)
     timings["load_s"] = time.perf_counter() - start
+    padded = os.environ.get("VLLM_MLA_TP_PAD") == "1"
+    if padded:
+        llm.apply_model(_watch_padded_heads)
     report = {"pid": os.getpid(), "vllm_mla_env": os.environ.get("VLLM_MLA"), "engine": engine}
     t = time.perf_counter()
     report["first"] = _generate(llm, prompts, max_tokens)
     timings["generate_s"] = time.perf_counter() - t
     report["states_first"] = _states(llm)
+    if padded:
+        report["padded_first"] = list(llm.apply_model(_padded_state))
     if "speculative_config" in kwargs:
         report["spec_decode_first"] = spec_decode_counters(llm)
         report["drafts_first"] = llm.collective_rpc(_draft_state)
@@ -214,6 +288,8 @@ def main(
     timings["reload_s"] = time.perf_counter() - t
     report["reloaded"] = _generate(llm, prompts, max_tokens)
     report["states_reloaded"] = _states(llm)
+    if padded:
+        report["padded_reloaded"] = list(llm.apply_model(_padded_state))
     if "speculative_config" in kwargs:
         report["drafts_reloaded"] = llm.collective_rpc(_draft_state)
     report["state_first"] = report["states_first"][0]
@@ -232,7 +308,11 @@ def multi_process_settings(engine: dict) -> None:
         engine.get("pipeline_parallel_size", 1)
     )
     if ranks > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
+        # one core per rank, round robin over the cores this process may use (4 ranks on
+        # a 2-core host share them)
+        cores = sorted(os.sched_getaffinity(0))
+        bind = "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         engine.setdefault("distributed_executor_backend", "mp")
 

@@ -17,8 +17,9 @@
   reported (the MTP layer has random weights: it proposes what the target would not say,
   so every draft is rejected and every step verifies k + 1 tokens per request).
 - ngram speculation (k = 3) on a DSA checkpoint whose output repeats itself (init_std
-  0.05): drafts accepted, so accepted draft tokens' KV and index keys serve later steps;
-  tokens and log-probabilities equal to the same engine without speculation.
+  0.05), at TP 1 and at TP 2 / DCP 2: drafts accepted (a different number per request and
+  step: ragged verify batches), so accepted draft tokens' KV and index keys serve later
+  steps; tokens and log-probabilities equal to the same engine at TP 1 without speculation.
 
 Marker ``topology``: these run once per suite (``scripts/test.sh`` leaves them out of its
 forced-ISA pass: what they test does not depend on the CPU's kernels).
@@ -53,15 +54,6 @@ def tp2(models, sparse_models, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
-def mtp_models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("mtp-models")
-    return {
-        name: make_model(root / name, TinyModelSpec(seed=seed, sparse=True, mtp_layers=1))
-        for name, seed in (("first", 0), ("second", 1))
-    }
-
-
-@pytest.fixture(scope="session")
 def mtp(mtp_models, tmp_path_factory) -> dict[str, dict]:
     """{"k1": MTP 1 at TP 1, "k3_tp2": MTP 3 at TP 2}, fp8 cache."""
     runs = {
@@ -81,9 +73,16 @@ def ngram(tmp_path_factory) -> dict[str, dict]:
         for name, seed in (("first", 0), ("second", 1))
     }
     tokens = ["--max-tokens", str(NGRAM_TOKENS)]
-    plain = sparse_jobs(models)["fp8"]
-    spec = sparse_jobs(models, {"speculative_config": NGRAM})["fp8"]
-    jobs = {"plain": ([*plain[0], *tokens], plain[1]), "ngram": ([*spec[0], *tokens], spec[1])}
+    runs = {
+        "plain": {},
+        "ngram": {"speculative_config": NGRAM},
+        # ragged acceptance under DCP: each rank's indexer and attention per drafted token
+        "ngram_dcp2": {**TP2, "decode_context_parallel_size": 2, "speculative_config": NGRAM},
+    }
+    jobs = {}
+    for name, engine in runs.items():
+        args, env = sparse_jobs(models, engine or None)["fp8"]
+        jobs[name] = ([*args, *tokens], env)
     return run_engine_jobs(jobs, tmp_path_factory.mktemp("ngram"))
 
 
@@ -176,8 +175,13 @@ def test_mtp_drafts_and_verifies_through_our_backend_on_every_rank(mtp, run, k, 
 
 # -- ngram --------------------------------------------------------------------------------
 @pytest.mark.parametrize("phase", PHASES)
-def test_ngram_accepts_drafts_and_generates_what_the_engine_without_it_generates(ngram, phase):
-    assert_sparse_match(ngram["ngram"][phase], ngram["plain"][phase])
-    counters = ngram["ngram"]["spec_decode_first"]
-    print(f"ngram k=3: {counters}")
+@pytest.mark.parametrize("run", ["ngram", "ngram_dcp2"])
+def test_ngram_accepts_drafts_and_generates_what_the_engine_without_it_generates(ngram, run, phase):
+    assert_sparse_match(ngram[run][phase], ngram["plain"][phase])
+    counters = ngram[run]["spec_decode_first"]
+    print(f"{run} k=3: {counters}")
     assert counters["num_accepted_tokens"] > 0
+    if run == "ngram_dcp2":  # every rank scored and attended its shard, per drafted token
+        for rank, state in enumerate(ranks(ngram[run])):
+            sparse = state["telemetry"]["sparse"]
+            assert sparse["indexer:cpu:dcp"] > 0 and sparse[f"forward_mqa:reference:dcp{rank}/2"]

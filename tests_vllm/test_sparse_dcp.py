@@ -111,6 +111,10 @@ def test_vllms_start_up_check_accepts_our_impl_under_dcp(monkeypatch, cpu_sessio
         layers = {"l0": SimpleNamespace(impl=impl, get_attn_backend=lambda: B12XMLASparseBackend)}
         monkeypatch.setattr(cp_utils, "get_layers_from_vllm_config", lambda *a, **k: layers)
         cp_utils.check_attention_cp_compatibility(config)  # passes
+        # MTP with interleave 16 (vLLM asks supports_mtp_with_cp_non_trivial_interleave_size)
+        monkeypatch.setattr(config, "speculative_config", SimpleNamespace(method="mtp"))
+        cp_utils.check_attention_cp_compatibility(config)
+        monkeypatch.setattr(config, "speculative_config", None)
         control = SimpleNamespace(dcp_world_size=2, need_to_return_lse_for_decode=False)
         layers["l0"] = SimpleNamespace(impl=control, get_attn_backend=lambda: None)
         with pytest.raises(AssertionError, match="return the softmax LSE during decode"):

@@ -202,6 +202,11 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     # shard when vLLM sets need_to_return_lse_for_decode (module docstring).
     can_return_lse_for_decode: bool = True
     supports_dcp: bool = True
+    # MTP with an interleave > 1: vLLM asks because a backend that localizes a request's
+    # length before expanding its drafted tokens gets too-short bounds. Ours takes no
+    # length: each token's selected request positions (the indexer's, bounded per token by
+    # vLLM's per-token localization) are mapped to this rank's rows (DCPShard.to_local).
+    supports_mtp_with_cp_non_trivial_interleave_size: bool = True
     # upstream reads these off sparse impls
     masked_mha_available: bool = False
     index_group = None

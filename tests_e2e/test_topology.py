@@ -1,0 +1,174 @@
+"""The topology matrix: the tiny DSA model (one MTP layer) through B12X_MLA_SPARSE in
+multi-process vLLM CPU engines at TP {1, 2, 3 padded, 4} x DCP {1, 2, 4 where TP allows it;
+3 at TP 3} x MTP {0, 3}, DCP interleave 1, 16 and 64 (a page), both record formats, each
+against TP 1 / DCP 1 / MTP 0 (``sparse_engine``: the same target weights).
+
+Per row and record format: greedy tokens identical and top-5 log-probabilities within
+``compare.SPARSE_LOGPROB_TOL`` (its error model: TP, DCP and speculation change only the
+order of fp32 sums, and the decisions that order can flip, never the selection rule), for
+the first checkpoint and after ``reload_weights`` of the second; no ERROR line in the
+engine's log; MTP drafts k = 3 tokens per request and step; under DCP every rank ran our
+DCP indexer and attention on its shard; at TP 3 (``VLLM_MLA_TP_PAD=1``: 4 heads padded to
+6, the MLP 512 -> 513, the vocabulary 1024 -> 1152) the padded heads' attention outputs
+were exactly 0 on every step, their absorbed pair is exactly 0, and o_proj's own kernel
+gives exactly 0 from their columns.
+
+Tiers (``VLLM_MLA_TEST_MATRIX``): ``ci`` (default) runs the rows marked ci, among them the
+seeds' production shape TP 4 / DCP 4 / MTP 3 and TP 3 (padded) / DCP 3 / MTP 3; ``full``
+every row (about 25 min on 2 cores; ``scripts/test.sh`` documents it). The table (TP, DCP,
+MTP, interleave, record format, result, acceptance, time) is printed at the end of the
+session and written to ``VLLM_MLA_TOPOLOGY_TABLE`` when that names a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+from compare import assert_sparse_match
+from conftest import KV_DTYPES, SPARSE_ENV, TOPOLOGY_TABLE, run_engine_jobs
+from engine_job import MAX_TOKENS
+
+from vllm_mla import envs
+
+pytestmark = pytest.mark.topology
+PHASES = ("first", "reloaded")
+MTP_K = 3
+REAL_HEADS = 4  # the tiny model's
+
+
+@dataclass(frozen=True)
+class Row:
+    tp: int
+    dcp: int = 1
+    mtp: int = 0
+    interleave: int = 1
+    kv: tuple[str, ...] = tuple(KV_DTYPES)
+    ci: bool = False  # in the default tier
+
+    @property
+    def id(self) -> str:
+        pad = "p" if self.tp % REAL_HEADS and REAL_HEADS % self.tp else ""
+        return f"tp{self.tp}{pad}-dcp{self.dcp}-mtp{self.mtp}-il{self.interleave}"
+
+    @property
+    def padded(self) -> bool:
+        return REAL_HEADS % self.tp != 0
+
+    def engine(self) -> dict:
+        engine: dict = {"tensor_parallel_size": self.tp}
+        if self.dcp > 1:
+            engine["decode_context_parallel_size"] = self.dcp
+        if self.interleave > 1:
+            engine["cp_kv_cache_interleave_size"] = self.interleave
+        if self.mtp:
+            engine["speculative_config"] = {"method": "mtp", "num_speculative_tokens": self.mtp}
+        return engine
+
+
+def _rows() -> list[Row]:
+    ci = {
+        (4, 4, MTP_K, 1): tuple(KV_DTYPES),  # the seeds' production shape
+        (3, 3, MTP_K, 1): tuple(KV_DTYPES),  # padded TP, DCP 3, MTP 3
+        (3, 1, 0, 1): ("fp8",),
+        (2, 2, MTP_K, 16): ("bfloat16",),
+        (2, 2, 0, 64): ("fp8",),
+    }
+    rows = []
+    for tp, dcps in ((1, (1,)), (2, (1, 2)), (3, (1, 3)), (4, (1, 2, 4))):
+        for dcp in dcps:
+            for mtp in (0, MTP_K):
+                if (tp, dcp, mtp) != (1, 1, 0):  # the reference itself
+                    rows.append(Row(tp, dcp, mtp))
+    for interleave in (16, 64):
+        for mtp in (0, MTP_K):
+            rows.append(Row(2, 2, mtp, interleave))
+    out = []
+    for row in rows:
+        kv = ci.get((row.tp, row.dcp, row.mtp, row.interleave))
+        if kv is not None:
+            out.append(Row(row.tp, row.dcp, row.mtp, row.interleave, kv, ci=True))
+        out.append(Row(row.tp, row.dcp, row.mtp, row.interleave))  # the full tier's
+    return out
+
+
+TIER = os.environ.get("VLLM_MLA_TEST_MATRIX", "ci")
+if TIER not in ("ci", "full"):
+    raise ValueError(f"VLLM_MLA_TEST_MATRIX must be ci or full, got {TIER!r}")
+ROWS = [r for r in _rows() if (r.ci if TIER == "ci" else not r.ci)]
+CASES = [(row, kv) for row in ROWS for kv in row.kv]
+
+
+@pytest.fixture(scope="session")
+def topology(mtp_models, tmp_path_factory):
+    """{row id: {kv: report}}, each row run when first asked for (its formats side by side)."""
+    done: dict[str, dict] = {}
+
+    def run(row: Row) -> dict:
+        if row.id not in done:
+            args = [str(mtp_models["first"]), str(mtp_models["second"])]
+            jobs = {}
+            for kv in row.kv:
+                env = {"VLLM_MLA": "1", **SPARSE_ENV[kv]}
+                if row.padded:
+                    env["VLLM_MLA_TP_PAD"] = "1"
+                engine = ["--engine", json.dumps(row.engine())]
+                jobs[kv] = ([*args, "--sparse", kv, *engine], env)
+            done[row.id] = run_engine_jobs(jobs, tmp_path_factory.mktemp(row.id), timeout_s=600)
+        return done[row.id]
+
+    return run
+
+
+def test_vllm_mla_tp_pad_is_off_by_default():
+    assert not envs.tp_pad()  # the padded rows turn it on per engine
+
+
+@pytest.mark.parametrize(("row", "kv"), CASES, ids=[f"{r.id}-{kv}" for r, kv in CASES])
+def test_row_serves_what_tp1_serves(topology, sparse_engine, row, kv):
+    report = topology(row)[kv]
+    want = sparse_engine[kv]
+    errors = [line for line in report["log"].splitlines() if " ERROR " in line]
+    states = report["states_first"]
+    assert len(states) == row.tp and not errors, errors[:5]
+    for phase in PHASES:
+        match = assert_sparse_match(report[phase], want[phase])
+    counters = report.get("spec_decode_first", {})
+    for rank, state in enumerate(states):
+        assert state["backend"] == "B12X_MLA_SPARSE" and state["kv_format"] == KV_DTYPES[kv]
+        sparse = state["telemetry"]["sparse"]
+        if row.dcp > 1:  # DCP rank = TP rank % DCP (vLLM's grouping)
+            assert sparse.get("indexer:cpu:dcp", 0) > 0, sparse
+            assert sparse.get(f"forward_mqa:reference:dcp{rank % row.dcp}/{row.dcp}", 0) > 0
+        else:
+            assert sparse.get("indexer:cpu", 0) > 0 and sparse.get("forward_mqa:reference", 0) > 0
+        heads = -(-REAL_HEADS // row.tp)  # padded up where TP does not divide
+        assert all(uk[0] == uv[0] == heads for uk, uv in state["pair_shapes"].values())
+    if row.mtp:
+        assert counters["num_draft_tokens"] == row.mtp * counters["num_drafts"] > 0
+        assert counters["num_drafts"] == 3 * (MAX_TOKENS - 1)  # 3 requests, every step
+    if row.padded:
+        for phase in PHASES:
+            padded = report[f"padded_{phase}"]
+            assert sum(p["padded_heads"] for p in padded) == heads * row.tp - REAL_HEADS
+            assert all(p["calls"] > 0 for p in padded)  # the hooks saw every layer serve
+            for p in padded:
+                assert p["output_max"] == p["pair_max"] == p["o_proj_max"] == 0.0, p
+    TOPOLOGY_TABLE.append(
+        {
+            "tp": f"{row.tp} (padded)" if row.padded else str(row.tp),
+            "dcp": row.dcp,
+            "mtp": row.mtp,
+            "interleave": row.interleave,
+            "records": KV_DTYPES[kv],
+            "result": f"tokens = TP 1's; worst {match.worst:.1e} nats; errors 0",
+            "accepted": (
+                f"{counters['num_accepted_tokens']:.0f}/{counters['num_draft_tokens']:.0f}"
+                if row.mtp
+                else "-"
+            ),
+            "time_s": round(report["timings"]["total_s"], 1),
+        }
+    )
