@@ -472,15 +472,16 @@ def step_sparse(sec: Section, device) -> None:
     _flash_checks(sec, device, gen, blocks, block_size)
     # last (it compiles two more variants): decode context parallelism, the cache format
     # DCP serves in production; sparse_mla.py checks both formats and N=4 as well
-    dcp = sm.DCP_GPU[0]
+    # MTP 3 decode batches (runs of 4 causal tokens per request): the seeds' DCP + MTP
+    dcp = {**sm.DCP_GPU[0], "next_n": 4}
     sec.graph(
-        "graph sparse_mla DCP LSE",
+        "graph sparse_mla DCP LSE, MTP 3 batches",
         lambda: bounded(
             sm.dcp_check("fp8_ds_mla", device, gen, rounds=2, **dcp),
             sm.OUT_REL_ERR,
             "per rank as eager; vLLM's LSE merge of the ranks vs DCP 1; no compile after capture",
         ),
-        shape=f"fp8_ds_mla N{dcp['n']} I{dcp['interleave']} T32 H{dcp['h']} K2048",
+        shape=f"fp8_ds_mla N{dcp['n']} I{dcp['interleave']} T32 (8 x next_n 4) H{dcp['h']} K2048",
     )
 
 

@@ -243,10 +243,12 @@ def soak(fmt, cache, device, gen, replays, t=32, h=16, k=2048, bank=8) -> dict:
 DCP_GPU = (
     dict(n=2, interleave=1, h=32, lengths=(4096, 6000, 2500, 8192), block_size=64),
     dict(n=4, interleave=64, h=64, lengths=(4096, 6000, 2500, 8192), block_size=64),
+    # the seeds' TP 4 / DCP 4 / MTP 3: runs of 4 tokens per request (8 requests at T 32)
+    dict(n=4, interleave=1, h=64, lengths=(4096, 6000, 2500, 8192), block_size=64, next_n=4),
 )
 DCP_SMOKE = (
     dict(n=2, interleave=1, h=3, lengths=(100, 64), block_size=16),
-    dict(n=3, interleave=4, h=3, lengths=(100, 64), block_size=16),
+    dict(n=3, interleave=4, h=3, lengths=(100, 64), block_size=16, next_n=4),
 )
 
 
@@ -294,13 +296,17 @@ class DCPSet:
             ]
             self.ranks.append((shard, *_place(local, block_size, device, gen)))
 
-    def selection(self, t, k, gen, empty=0.05):
+    def selection(self, t, k, gen, empty=0.05, next_n=1):
         """(logical top-k int32 [t, k]: distinct request positions, a fraction ``empty`` -1;
-        req_id int32 [t]: token i belongs to request i % R)."""
-        req = torch.arange(t, device=self.device) % len(self.lengths)
+        req_id int32 [t]). ``next_n`` 1: token i belongs to request i % R and sees all of
+        it; > 1 (speculative decoding, MTP next_n - 1 drafts): runs of ``next_n`` tokens per
+        request, token j of a run sees ``length - next_n + j + 1`` positions (causal), the
+        decode batch vLLM flattens per token under DCP."""
+        token = torch.arange(t, device=self.device)
+        req = (token // next_n) % len(self.lengths)
         idx = torch.full((t, k), -1, dtype=torch.int32, device=self.device)
         for i in range(t):
-            length = self.lengths[int(req[i])]
+            length = self.lengths[int(req[i])] - next_n + 1 + i % next_n
             keys = torch.rand(length, generator=gen, device=self.device)
             idx[i] = keys.topk(min(k, length)).indices.int()
         idx[torch.rand(t, k, generator=gen, device=self.device) < empty] = -1
@@ -308,14 +314,28 @@ class DCPSet:
 
 
 def dcp_check(
-    fmt, device, gen, *, n, interleave, h, lengths, block_size, t=32, k=2048, graph=True, rounds=3
+    fmt,
+    device,
+    gen,
+    *,
+    n,
+    interleave,
+    h,
+    lengths,
+    block_size,
+    t=32,
+    k=2048,
+    graph=True,
+    rounds=3,
+    next_n=1,
 ) -> dict:
     """DCP through the decode-step call (module docstring, item 4): per rank a prepared,
     frozen ``BoundCall`` with the rank's ``DCPShard``, launched on the logical top-k with
     the rank's block table and an lse buffer (with ``graph``: captured once, replayed on
     fresh inputs copied into the captured buffers). Worst errors over ``rounds``: each
     rank against ``sparse_mla_reference`` on the physical rows it holds, and the LSE merge
-    of the ranks against DCP 1's reference, both within OUT_REL_ERR / LSE_ABS_ERR."""
+    of the ranks against DCP 1's reference, both within OUT_REL_ERR / LSE_ABS_ERR.
+    ``next_n`` > 1: MTP decode batches (``DCPSet.selection``)."""
     kv = DCPSet(fmt, n, interleave, lengths, block_size, device, gen)
     caps = SparseMLACaps(
         max_tokens=t,
@@ -355,7 +375,7 @@ def dcp_check(
     rank_worst = dict(worst)
     for _ in range(rounds):
         q = torch.randn(t, h, HEAD_DIM, generator=gen, device=device).bfloat16()
-        idx, req = kv.selection(t, k, gen)
+        idx, req = kv.selection(t, k, gen, next_n=next_n)
         outs, lses = [], []
         for shard, cache, table, st, runner in ranks:
             st.q.copy_(q)
@@ -376,13 +396,14 @@ def dcp_check(
         worst = _worse(worst, errors(merged, merged_lse, ref, ref_lse))
     no_compile = sm.compiled_variants() == frozen
     return {
-        "kind": f"dcp{' graph' if graph else ''} N={n} I={interleave}",
+        "kind": f"dcp{' graph' if graph else ''} N={n} I={interleave} next_n={next_n}",
         "fmt": fmt,
         "T": t,
         "H": h,
         "K": k,
         "N": n,
         "interleave": interleave,
+        "next_n": next_n,
         "rounds": rounds,
         **worst,
         "rank_rel_err": rank_worst["rel_err"],
@@ -522,7 +543,7 @@ def main() -> int:
             # the DCP path, eager (no graphs without a GPU): one shard layout per format
             shape = DCP_SMOKE[KV_FORMATS.index(fmt)]
             report["checks"].append(
-                dcp_check(fmt, device, gen, t=3, k=40, graph=False, rounds=1, **shape)
+                dcp_check(fmt, device, gen, t=8, k=40, graph=False, rounds=1, **shape)
             )
     else:
         if not torch.cuda.is_available():
