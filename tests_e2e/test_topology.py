@@ -27,8 +27,8 @@ import os
 from dataclasses import dataclass
 
 import pytest
-from compare import assert_sparse_match
-from conftest import KV_DTYPES, SPARSE_ENV, TOPOLOGY_TABLE, run_engine_jobs
+from compare import assert_dense_match, assert_sparse_match
+from conftest import KV_DTYPES, RUNS, SPARSE_ENV, TOPOLOGY_TABLE, run_engine_jobs
 from engine_job import MAX_TOKENS
 
 from vllm_mla import envs
@@ -146,6 +146,8 @@ def test_row_serves_what_tp1_serves(topology, sparse_engine, row, kv):
             assert sparse.get("indexer:cpu", 0) > 0 and sparse.get("forward_mqa:reference", 0) > 0
         heads = -(-REAL_HEADS // row.tp)  # padded up where TP does not divide
         assert all(uk[0] == uv[0] == heads for uk, uv in state["pair_shapes"].values())
+        # the lifecycle as at any TP: every kv_b_proj source released, the pair resident
+        assert all(r["source"] == 0 and r["absorbed"] > 0 for r in state["ledger"].values())
     if row.mtp:
         assert counters["num_draft_tokens"] == row.mtp * counters["num_drafts"] > 0
         assert counters["num_drafts"] == 3 * (MAX_TOKENS - 1)  # 3 requests, every step
@@ -172,3 +174,19 @@ def test_row_serves_what_tp1_serves(topology, sparse_engine, row, kv):
             "time_s": round(report["timings"]["total_s"], 1),
         }
     )
+
+
+def test_dense_mla_at_tp3_padded_serves_what_tp1_serves(models, engine, tmp_path):
+    """The dense tiny DeepSeek-V2 model (CPU_MLA, vLLM's own backend) at TP 3 with
+    VLLM_MLA_TP_PAD=1 against the same engine at TP 1: tokens and log-probabilities within
+    the dense tolerance, padded heads exactly 0 (a reload included)."""
+    args = [str(models["first"]), str(models["second"]), "--engine", '{"tensor_parallel_size": 3}']
+    jobs = {"tp3": (args, {**RUNS["on"], "VLLM_MLA_TP_PAD": "1"})}
+    report = run_engine_jobs(jobs, tmp_path)["tp3"]
+    assert "tensor_parallel_size=3 pads heads 4 -> 6" in report["log"]
+    for phase in PHASES:
+        assert_dense_match(report[phase], engine["on"][phase])
+        padded = report[f"padded_{phase}"]
+        assert [p["padded_heads"] for p in padded] == [0, 0, 2]
+        for p in padded:
+            assert p["calls"] > 0 and p["output_max"] == p["pair_max"] == p["o_proj_max"] == 0.0

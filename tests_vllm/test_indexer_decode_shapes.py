@@ -117,17 +117,17 @@ def test_every_decode_token_gets_its_exact_context(k, lens, layout):
     assert tables[:, 0].tolist() == want_blocks
 
 
-def test_padded_native_batches_count_each_requests_own_tokens():
-    """vLLM's native decode preparation (its own method) with requests of 3, 1, 4 and 0
-    tokens (the last a CUDA-graph padding request, vLLM's own example): requires_padding,
-    seq_lens [B, 4]; ours gives each real token its exact context and the padding none."""
-    builder, _ = builder_for(3)
+def padded_native_meta(builder, seq: list[int], localize: bool = False) -> SimpleNamespace:
+    """vLLM's native decode preparation (its own method) of requests of 3, 1, 4 and 0
+    tokens (the last a CUDA-graph padding request, vLLM's own example) with ``seq`` keys
+    each: requires_padding, seq_lens [B, 4]; with ``localize`` then its per-token DCP
+    localization (the builder's DCP fields set by the caller). The indexer metadata."""
     lens = torch.tensor([3, 1, 4, 0], dtype=torch.int32)
-    seq = torch.tensor([10, 7, 12, 0], dtype=torch.int32)
+    seq_t = torch.tensor(seq, dtype=torch.int32)
     qsl = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     table = torch.arange(4 * WIDTH, dtype=torch.int32).view(4, WIDTH)
     seq_lens, block_table, decode_lens, _, padded = builder._prepare_decode_tensors(
-        seq_lens=seq,
+        seq_lens=seq_t,
         block_table=table,
         decode_lens=lens,
         decode_lens_cpu=lens,
@@ -139,18 +139,26 @@ def test_padded_native_batches_count_each_requests_own_tokens():
         max_decode_len=4,
     )
     assert padded and seq_lens.shape == (4, 4)
+    if localize:
+        seq_lens = builder._dcp_localize_decode_seq_lens(seq_lens, 4, True)
     decode = SimpleNamespace(
         seq_lens=seq_lens, block_table=block_table, decode_lens=decode_lens, requires_padding=True
     )
-    meta = SimpleNamespace(
+    return SimpleNamespace(
         num_decodes=4,
         num_decode_tokens=8,
         decode=decode,
         num_prefills=0,
         prefill=None,
-        max_seq_len=12,
+        max_seq_len=max(seq),
     )
-    ((_, tables, lengths, _),) = step_contexts(meta)
+
+
+def test_padded_native_batches_count_each_requests_own_tokens():
+    """Ours gives each real token of a padded native batch its exact context and the
+    padding none."""
+    builder, _ = builder_for(3)
+    ((_, tables, lengths, _),) = step_contexts(padded_native_meta(builder, [10, 7, 12, 0]))
     assert lengths.tolist() == [8, 9, 10, 7, 9, 10, 11, 12]
     assert tables[:, 0].tolist() == [0, 0, 0, 4, 8, 8, 8, 8]
 
@@ -256,44 +264,13 @@ def test_under_dcp_padded_native_batches_count_each_requests_own_tokens(interlea
     from vllm_mla.ops.dcp import DCPShard
     from vllm_mla.vllm.sparse.indexer import dcp_contexts
 
-    lens = torch.tensor([3, 1, 4, 0], dtype=torch.int32)
-    seq = torch.tensor([40, 37, 42, 0], dtype=torch.int32)
-    qsl = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
-    table = torch.arange(4 * WIDTH, dtype=torch.int32).view(4, WIDTH)
     want_global = [38, 39, 40, 37, 39, 40, 41, 42]
     for rank in range(2):
         builder, _ = builder_for(3)
         builder.dcp_world_size, builder.dcp_rank = 2, rank
         builder.dcp_rank_tensor = torch.tensor(rank, dtype=torch.int32)
         builder.cp_kv_cache_interleave_size = interleave
-        seq_lens, block_table, decode_lens, _, padded = builder._prepare_decode_tensors(
-            seq_lens=seq,
-            block_table=table,
-            decode_lens=lens,
-            decode_lens_cpu=lens,
-            query_start_loc=qsl,
-            num_decodes=4,
-            num_decode_tokens=8,
-            use_native=True,
-            next_n=4,
-            max_decode_len=4,
-        )
-        assert padded and seq_lens.shape == (4, 4)
-        seq_lens = builder._dcp_localize_decode_seq_lens(seq_lens, 4, True)
-        decode = SimpleNamespace(
-            seq_lens=seq_lens,
-            block_table=block_table,
-            decode_lens=decode_lens,
-            requires_padding=True,
-        )
-        meta = SimpleNamespace(
-            num_decodes=4,
-            num_decode_tokens=8,
-            decode=decode,
-            num_prefills=0,
-            prefill=None,
-            max_seq_len=42,
-        )
+        meta = padded_native_meta(builder, [40, 37, 42, 0], localize=True)
         ((_, tables, lengths, _),) = dcp_contexts(meta, DCPShard(2, rank, interleave))
         want = get_dcp_local_seq_lens(torch.tensor(want_global), 2, rank, interleave)
         assert lengths.tolist() == want.tolist(), (rank, lengths.tolist(), want.tolist())
