@@ -1,6 +1,6 @@
 """The topology matrix: the tiny DSA model (one MTP layer) through B12X_MLA_SPARSE in
 multi-process vLLM CPU engines at TP {1, 2, 3 padded, 4} x DCP {1, 2, 4 where TP allows it;
-3 at TP 3} x MTP {0, 3}, DCP interleave 1, 16 and 64 (a page), both record formats, each
+3 at TP 3} x MTP {0, 3} (and MTP 1 at TP 2 / DCP 2), DCP interleave 1, 16 and 64 (a page), both record formats, each
 against TP 1 / DCP 1 / MTP 0 (``sparse_engine``: the same target weights).
 
 Per row and record format: greedy tokens identical and top-5 log-probabilities within
@@ -75,6 +75,7 @@ def _rows() -> list[Row]:
         (3, 1, 0, 1): ("fp8",),
         (2, 2, MTP_K, 16): ("bfloat16",),
         (2, 2, 0, 64): ("fp8",),
+        (2, 2, 1, 1): ("fp8",),  # MTP 1: vLLM's native [B, 2] layout, localized per token
     }
     rows = []
     for tp, dcps in ((1, (1,)), (2, (1, 2)), (3, (1, 3)), (4, (1, 2, 4))):
@@ -82,6 +83,7 @@ def _rows() -> list[Row]:
             for mtp in (0, MTP_K):
                 if (tp, dcp, mtp) != (1, 1, 0):  # the reference itself
                     rows.append(Row(tp, dcp, mtp))
+    rows.append(Row(2, 2, 1))
     for interleave in (16, 64):
         for mtp in (0, MTP_K):
             rows.append(Row(2, 2, mtp, interleave))
