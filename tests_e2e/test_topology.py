@@ -1,7 +1,7 @@
 """The topology matrix: the tiny DSA model (one MTP layer) through B12X_MLA_SPARSE in
 multi-process vLLM CPU engines at TP {1, 2, 3 padded, 4} x DCP {1, 2, 4 where TP allows it;
-3 at TP 3} x MTP {0, 3} (and MTP 1 at TP 2 / DCP 2), DCP interleave 1, 16 and 64 (a page), both record formats, each
-against TP 1 / DCP 1 / MTP 0 (``sparse_engine``: the same target weights).
+3 at TP 3} x MTP {0, 3} (and MTP 1 at TP 2 / DCP 2), DCP interleave 1, 16 and 64 (a page),
+both record formats, each against TP 1 / DCP 1 / MTP 0 (``sparse_engine``: the same target weights).
 
 Per row and record format: greedy tokens identical and top-5 log-probabilities within
 ``compare.SPARSE_LOGPROB_TOL`` (its error model: TP, DCP and speculation change only the
