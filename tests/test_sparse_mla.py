@@ -44,7 +44,7 @@ def make_cache(fmt, num_blocks=5, block_size=16, *, seed=0):
     kv_c *= torch.exp2(torch.randint(-2, 2, (n, 1), generator=gen).float())
     k_pe = torch.randint(-8, 9, (n, 64), generator=gen) / 8
     packed = pack_rows(kv_c, k_pe, fmt)
-    if fmt == "fp8_ds_mla":
+    if packed.dtype == torch.uint8:  # 0xFF: an e4m3 NaN (scale or value), an fp32 NaN
         big = torch.full((num_blocks, 2, block_size, packed.shape[1]), 0xFF, dtype=torch.uint8)
     else:
         big = torch.full((num_blocks, 2, block_size, 576), float("nan"), dtype=torch.bfloat16)
@@ -584,9 +584,9 @@ cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/
 report = []
 for arch, fmt, direct, heads, *extra in json.loads(sys.argv[1]):
     dcp, sink, rope = extra + [0, 0, 64][len(extra):]
-    fp8 = fmt == "fp8_ds_mla"
+    fp8, nvfp4 = fmt == "fp8_ds_mla", fmt == "nvfp4_ds_mla"
     bh = k.block_h(heads)
-    sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16",
+    sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "kv_ptr": "*u8" if fp8 or nvfp4 else "*bf16",
            "idx_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if direct else "*u8",
            "lse_ptr": "*fp32" if direct else "*u8", "l_ptr": "*bf16" if direct else "*u8",
            "err_ptr": "*i32", "sink_ptr": "*fp32", "req_ptr": "*i32", "bt_ptr": "*i32",
@@ -594,9 +594,9 @@ for arch, fmt, direct, heads, *extra in json.loads(sys.argv[1]):
            "bt_width": "i32", "dcp_period": "i32", "dcp_start": "i32", "dcp_interleave": "i32",
            **{n: "i32" for n in INTS},
            "qk_scale": "fp32", **{n: "i32" for n in STRIDES}}
-    const = dict(FP8=fp8, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True, HAS_ERR=True,
+    const = dict(FP8=fp8, NVFP4=nvfp4, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True, HAS_ERR=True,
                  LOGICAL=True, DCP=bool(dcp), SINK=bool(sink), ROPE=rope,
-                 BLOCK_H=bh, BLOCK_K=k.BLOCK_K, INTERPRET=False)
+                 BLOCK_H=bh, BLOCK_K=k.CHUNK_K[k.FORMAT[fmt].reader], INTERPRET=False)
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n.endswith("_ptr") or n in ALIGNED}
@@ -632,9 +632,13 @@ def test_kernel_compiles_for_gpu_targets():
     cases += [[90, "fp8_ds_mla", False, 128], [120, "fp8_ds_mla", True, 64]]
     cases += [[80, "fp8_ds_mla", False, 128], [89, "fp8_ds_mla", True, 128]]
     cases += [[90, "bf16", False, 128], [120, "bf16", False, 64], [89, "bf16", True, 64]]
+    # nvfp4_ds_mla: the loader dequantizes in registers, on every arch from SM80
+    cases += [[80, "nvfp4_ds_mla", True, 16], [89, "nvfp4_ds_mla", False, 128]]
+    cases += [[90, "nvfp4_ds_mla", True, 128], [120, "nvfp4_ds_mla", False, 64]]
     dcp = [[90, "fp8_ds_mla", False, 16, 1], [120, "fp8_ds_mla", True, 16, 1]]
     dcp += [[90, "fp8_ds_mla", False, 128, 1], [120, "fp8_ds_mla", True, 64, 1]]
     dcp += [[80, "bf16", True, 16, 1], [89, "fp8_ds_mla", True, 128, 1]]
+    dcp += [[90, "nvfp4_ds_mla", True, 128, 1], [120, "nvfp4_ds_mla", False, 16, 1]]
     sink = [[120, "fp8_ds_mla", True, 16, 0, 1], [90, "fp8_ds_mla", True, 128, 0, 1]]
     sink += [[80, "bf16", True, 64, 0, 1], [89, "fp8_ds_mla", True, 64, 1, 1]]
     # ROPE=0 (latent-512 MLA without RoPE): the q_pe . k_pe piece not traced

@@ -30,6 +30,12 @@ ROPE = 64  # qk_rope_head_dim
 HEAD_DIM = LATENT + ROPE  # 576: one latent query / KV row
 DS_MLA_SCALE_GROUP = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
 FP8_DS_MLA_RECORD = LATENT + 4 * (LATENT // DS_MLA_SCALE_GROUP) + 2 * ROPE  # 656 bytes
+# nvfp4_ds_mla (vLLM's NVFP4 NoPE + FP8 RoPE record): 512 e2m1 (two per byte), 64 e4m3
+# RoPE values, one e4m3 scale per NVFP4_BLOCK latent values
+E2M1_MAX = 6.0  # largest e2m1 value (OCP FP4 E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6)
+NVFP4_BLOCK = 16  # latent values sharing one e4m3 scale
+NVFP4_SCALE_FLOOR = 2.0**-9  # smallest scale (e4m3's smallest subnormal): zeros stay zero
+NVFP4_DS_MLA_RECORD = LATENT // 2 + ROPE + LATENT // NVFP4_BLOCK  # 352 bytes
 PAGE_ROWS = 64  # KV rows per page for DSA models (vLLM's FlashMLA-sparse block size)
 # A kpool indexer's (GLM-5.3-Flash) top-k buffer: index_topk + index_kpool - 1 columns
 # rounded up to this (vLLM glm5next's get_sparse_topk_buffer_width)

@@ -8,6 +8,13 @@ wider than a page: other layers' pages interleave). Two record formats:
   ``[0, 512)`` e4m3 of ``kv_c / scale[i // 128]``, ``[512, 528)`` four fp32 scales,
   ``[528, 656)`` 64 bf16 post-RoPE ``k_pe``. ``kv_c[i] = e4m3[i] * scale[i // 128]``.
 - ``bf16``: ``[..., 576]`` bf16, ``kv_c`` (512) then ``k_pe`` (64); 1152 bytes.
+- ``nvfp4_ds_mla`` (vLLM's NVFP4 NoPE + FP8 RoPE record), uint8, 352 bytes: 512 e2m1
+  two per byte, 64 e4m3 RoPE values, 32 permuted e4m3 scales (``nvfp4_record``).
+
+``KV_FORMAT_TABLE`` declares the formats once: each one's record, the vLLM cache dtypes
+served as it, the requests canonicalised to it, its codec and whether b12x reads it.
+Every other list of formats (the backend's accepted dtypes, the canonicalisation patch,
+the impl's dtype -> format map, the kernels' readers) is derived from it.
 
 RoPE width ``rope`` (``ROPES``: 64, or 0 for latent-512 MLA without RoPE, GLM-5.3-Flash):
 with rope 0 an fp8_ds_mla record keeps its 656 bytes (vLLM sizes the page by the format,
@@ -18,6 +25,9 @@ with rope 0 an fp8_ds_mla record keeps its 656 bytes (vLLM sizes the page by the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from vllm_mla.formats import (
@@ -26,14 +36,14 @@ from vllm_mla.formats import (
     FP8_DS_MLA_RECORD,
     HEAD_DIM,
     LATENT,
+    NVFP4_DS_MLA_RECORD,
     ROPE,
 )
+from vllm_mla.ops.sparse_mla import nvfp4_record
 
-KV_FORMATS = ("fp8_ds_mla", "bf16")
 SCALE_GROUP = DS_MLA_SCALE_GROUP  # fp8_ds_mla: one fp32 scale per 128 latent values
 FP8_SCALES_OFFSET = LATENT  # 512
 FP8_ROPE_OFFSET = LATENT + 4 * (LATENT // SCALE_GROUP)  # 528
-_RECORD = {"fp8_ds_mla": (torch.uint8, FP8_DS_MLA_RECORD), "bf16": (torch.bfloat16, HEAD_DIM)}
 ROPES = (ROPE, 0)  # the RoPE widths served: 64 (DeepSeek / GLM-5), 0 (GLM-5.3-Flash)
 
 
@@ -41,11 +51,6 @@ ROPES = (ROPE, 0)  # the RoPE widths served: 64 (DeepSeek / GLM-5), 0 (GLM-5.3-F
 # [-1, num_blocks * block_size) is read as an empty slot, like -1 (never a stray read),
 # and, when the caller passes an ``invalid`` counter (int32 [1]), adds 1 to it.
 INDEX_RULE = "an index outside [-1, rows) is an empty slot and is counted in `invalid`"
-
-
-def cache_rows(kv_cache: torch.Tensor) -> int:
-    """Physical rows a cache addresses: ``num_blocks * block_size``."""
-    return kv_cache.shape[0] * kv_cache.shape[1]
 
 
 class SparseMLAError(ValueError):
@@ -60,62 +65,25 @@ class SparseMLANotPrepared(RuntimeError):
     """A sparse-MLA kernel variant would compile inside CUDA-graph capture."""
 
 
-def check_format(kv_format: str) -> None:
-    """Raise SparseMLAError unless ``kv_format`` is one of KV_FORMATS."""
-    if kv_format not in KV_FORMATS:
-        raise SparseMLAError(f"kv_format: expected one of {KV_FORMATS}, got {kv_format!r}")
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV record format of the sparse backend, declared once (``KV_FORMAT_TABLE``)."""
 
+    name: str  # the kernels' name for it (``kv_format``)
+    elem: torch.dtype  # the cache tensor's element dtype
+    elems: int  # elements per record at rope 64
+    keeps_width: bool  # at rope 0 the record keeps its width (the rope slot unread)
+    cache_dtypes: tuple[str, ...]  # vLLM ``kv_cache_dtype`` values served as this format
+    requested_as: tuple[str, ...]  # requests the sparse feature canonicalises to it
+    reader: str  # how the Triton kernel reads a latent row: "bf16", "fp8" or "nvfp4"
+    b12x_recipe: str | None  # b12x's ModelType with the same record; None: b12x declines
+    pack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (kv_c, k_pe) -> records
+    unpack: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (records, rope) -> rows
+    summary: str  # what a record holds, for users (capacity view, docs)
 
-def record_dtype(kv_format: str) -> torch.dtype:
-    """Element dtype of a cache in ``kv_format`` (uint8 or bf16)."""
-    check_format(kv_format)
-    return _RECORD[kv_format][0]
-
-
-def check_rope(rope: int) -> None:
-    """Raise SparseMLAError unless ``rope`` is one of ROPES."""
-    if rope not in ROPES:
-        raise SparseMLAError(f"rope: expected a qk_rope_head_dim in {ROPES}, got {rope!r}")
-
-
-def record_elems(kv_format: str, rope: int = ROPE) -> int:
-    """Last-dim size of a cache in ``kv_format`` (656 or 576; rope 0: 656 or 512)."""
-    check_format(kv_format)
-    check_rope(rope)
-    if kv_format == "bf16":
-        return LATENT + rope
-    return _RECORD[kv_format][1]  # the rope slot stays (unread) at rope 0
-
-
-def record_width(kv_format: str, rope: int = ROPE) -> tuple[int, torch.dtype]:
-    """(elements per cache row, element dtype) of ``kv_format``."""
-    return record_elems(kv_format, rope), record_dtype(kv_format)
-
-
-def record_bytes(kv_format: str, rope: int = ROPE) -> int:
-    """Bytes per token: 656 for fp8_ds_mla, 1152 for bf16 (rope 0: 656, 1024)."""
-    n, dtype = record_width(kv_format, rope)
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
-def check_cache(kv_cache: object, kv_format: str, rope: int = ROPE) -> None:
-    """Raise a typed error unless ``kv_cache`` is a 3-D cache in ``kv_format``."""
-    n, dtype = record_width(kv_format, rope)
-    if not isinstance(kv_cache, torch.Tensor):
-        raise SparseMLATypeError(f"kv_cache: expected a Tensor, got {type(kv_cache)}")
-    if kv_cache.dtype != dtype:
-        raise SparseMLATypeError(
-            f"kv_cache: format {kv_format} expects dtype {dtype}, got {kv_cache.dtype}"
-        )
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != n:
-        raise SparseMLAError(
-            f"kv_cache: format {kv_format} expects [num_blocks, block_size, {n}], "
-            f"got shape {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.stride(-1) != 1:
-        raise SparseMLAError(
-            f"kv_cache: last dim must be contiguous (stride 1), got strides {kv_cache.stride()}"
-        )
+    def record_elems(self, rope: int = ROPE) -> int:
+        """Elements per record at RoPE width ``rope``."""
+        return self.elems if self.keeps_width else self.elems - ROPE + rope
 
 
 def _check_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -146,7 +114,7 @@ def pack_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     amax = groups.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     e4m3 = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    out = torch.empty(n, record_bytes("fp8_ds_mla"), dtype=torch.uint8, device=kv_c.device)
+    out = torch.empty(n, FP8_DS_MLA_RECORD, dtype=torch.uint8, device=kv_c.device)
     out[:, :FP8_SCALES_OFFSET] = e4m3.reshape(n, LATENT).view(torch.uint8)
     out[:, FP8_SCALES_OFFSET:FP8_ROPE_OFFSET] = scale.contiguous().view(torch.uint8)
     if k_pe.shape[1]:
@@ -162,21 +130,14 @@ def pack_bf16(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return torch.cat([kv_c, k_pe], dim=-1).to(torch.bfloat16)
 
 
-def pack_rows(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """Pack rows into records of ``kv_format``."""
-    check_format(kv_format)
-    return pack_fp8_ds_mla(kv_c, k_pe) if kv_format == "fp8_ds_mla" else pack_bf16(kv_c, k_pe)
+def pack_nvfp4_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """Pack rows into 352-byte nvfp4_ds_mla records ``[N, 352]`` uint8 (``nvfp4_record``'s
+    rule; a 0-wide k_pe leaves the rope slot zero)."""
+    _check_rows(kv_c, k_pe)
+    return nvfp4_record.encode(kv_c, k_pe)
 
 
-def unpack_records(
-    records: torch.Tensor, kv_format: str, rope: int = ROPE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode records ``[..., record]`` into ``(kv_c [..., 512], k_pe [..., rope])`` fp32
-    (rope 0: an fp8_ds_mla record's rope slot is not read)."""
-    check_rope(rope)
-    if kv_format == "bf16":
-        return records[..., :LATENT].float(), records[..., LATENT : LATENT + rope].float()
-    check_format(kv_format)
+def _unpack_fp8(records: torch.Tensor, rope: int) -> tuple[torch.Tensor, torch.Tensor]:
     lead = records.shape[:-1]
     rec = records.contiguous()
     e4m3 = rec[..., :FP8_SCALES_OFFSET].view(torch.float8_e4m3fn).float()
@@ -184,6 +145,139 @@ def unpack_records(
     kv_c = e4m3.reshape(*lead, -1, SCALE_GROUP) * scale[..., None]
     k_pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].view(torch.bfloat16).float()
     return kv_c.reshape(*lead, LATENT), k_pe
+
+
+def _unpack_bf16(records: torch.Tensor, rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return records[..., :LATENT].float(), records[..., LATENT : LATENT + rope].float()
+
+
+KV_FORMAT_TABLE: tuple[KVFormat, ...] = (
+    KVFormat(
+        name="fp8_ds_mla",
+        elem=torch.uint8,
+        elems=FP8_DS_MLA_RECORD,
+        keeps_width=True,
+        cache_dtypes=("fp8_ds_mla",),
+        requested_as=("fp8", "fp8_e4m3"),
+        reader="fp8",
+        b12x_recipe="GLM_NSA",
+        pack=pack_fp8_ds_mla,
+        unpack=_unpack_fp8,
+        summary="512 e4m3 + 4 fp32 scales (one per 128) + 64 bf16 RoPE",
+    ),
+    KVFormat(
+        name="bf16",
+        elem=torch.bfloat16,
+        elems=HEAD_DIM,
+        keeps_width=False,
+        cache_dtypes=("auto", "bfloat16"),  # auto: the model dtype, served for bf16 models
+        requested_as=(),
+        reader="bf16",
+        b12x_recipe=None,
+        pack=pack_bf16,
+        unpack=_unpack_bf16,
+        summary="512 + 64 bf16",
+    ),
+    KVFormat(
+        name="nvfp4_ds_mla",
+        elem=torch.uint8,
+        elems=NVFP4_DS_MLA_RECORD,
+        keeps_width=True,
+        cache_dtypes=("nvfp4_ds_mla",),
+        requested_as=(),
+        reader="nvfp4",
+        b12x_recipe=None,
+        pack=pack_nvfp4_ds_mla,
+        unpack=nvfp4_record.decode,
+        summary="512 e2m1 + 32 e4m3 scales (one per 16) + 64 e4m3 RoPE",
+    ),
+)
+FORMAT: dict[str, KVFormat] = {f.name: f for f in KV_FORMAT_TABLE}
+KV_FORMATS = tuple(FORMAT)  # the kernels' format names
+# vLLM kv_cache_dtype -> format (after canonicalisation), and user request -> format
+FORMAT_OF_CACHE_DTYPE = {d: f.name for f in KV_FORMAT_TABLE for d in f.cache_dtypes}
+FORMAT_OF_REQUEST = {d: f.name for f in KV_FORMAT_TABLE for d in f.requested_as}
+ACCEPTED_CACHE_DTYPES = (*FORMAT_OF_CACHE_DTYPE, *FORMAT_OF_REQUEST)
+
+
+def cache_rows(kv_cache: torch.Tensor) -> int:
+    """Physical rows a cache addresses: ``num_blocks * block_size``."""
+    return kv_cache.shape[0] * kv_cache.shape[1]
+
+
+def check_format(kv_format: str) -> None:
+    """Raise SparseMLAError unless ``kv_format`` is one of KV_FORMATS."""
+    if kv_format not in KV_FORMATS:
+        raise SparseMLAError(f"kv_format: expected one of {KV_FORMATS}, got {kv_format!r}")
+
+
+def record_dtype(kv_format: str) -> torch.dtype:
+    """Element dtype of a cache in ``kv_format`` (uint8 or bf16)."""
+    check_format(kv_format)
+    return FORMAT[kv_format].elem
+
+
+def check_rope(rope: int) -> None:
+    """Raise SparseMLAError unless ``rope`` is one of ROPES."""
+    if rope not in ROPES:
+        raise SparseMLAError(f"rope: expected a qk_rope_head_dim in {ROPES}, got {rope!r}")
+
+
+def record_elems(kv_format: str, rope: int = ROPE) -> int:
+    """Last-dim size of a cache in ``kv_format`` (656, 576 or 352; rope 0: 656, 512 or
+    352)."""
+    check_format(kv_format)
+    check_rope(rope)
+    return FORMAT[kv_format].record_elems(rope)
+
+
+def record_width(kv_format: str, rope: int = ROPE) -> tuple[int, torch.dtype]:
+    """(elements per cache row, element dtype) of ``kv_format``."""
+    return record_elems(kv_format, rope), record_dtype(kv_format)
+
+
+def record_bytes(kv_format: str, rope: int = ROPE) -> int:
+    """Bytes per token: 656 for fp8_ds_mla, 1152 for bf16, 352 for nvfp4_ds_mla (rope 0:
+    656, 1024, 352)."""
+    n, dtype = record_width(kv_format, rope)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def check_cache(kv_cache: object, kv_format: str, rope: int = ROPE) -> None:
+    """Raise a typed error unless ``kv_cache`` is a 3-D cache in ``kv_format``."""
+    n, dtype = record_width(kv_format, rope)
+    if not isinstance(kv_cache, torch.Tensor):
+        raise SparseMLATypeError(f"kv_cache: expected a Tensor, got {type(kv_cache)}")
+    if kv_cache.dtype != dtype:
+        raise SparseMLATypeError(
+            f"kv_cache: format {kv_format} expects dtype {dtype}, got {kv_cache.dtype}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != n:
+        raise SparseMLAError(
+            f"kv_cache: format {kv_format} expects [num_blocks, block_size, {n}], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.stride(-1) != 1:
+        raise SparseMLAError(
+            f"kv_cache: last dim must be contiguous (stride 1), got strides {kv_cache.stride()}"
+        )
+
+
+
+def pack_rows(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """Pack rows into records of ``kv_format``."""
+    check_format(kv_format)
+    return FORMAT[kv_format].pack(kv_c, k_pe)
+
+
+def unpack_records(
+    records: torch.Tensor, kv_format: str, rope: int = ROPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode records ``[..., record]`` into ``(kv_c [..., 512], k_pe [..., rope])`` fp32
+    (rope 0: a fixed-width record's rope slot is not read)."""
+    check_rope(rope)
+    check_format(kv_format)
+    return FORMAT[kv_format].unpack(records, rope)
 
 
 def unpack_rows(

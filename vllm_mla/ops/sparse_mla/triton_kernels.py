@@ -11,6 +11,12 @@ one split it writes ``out`` and ``lse`` itself; otherwise it writes unnormalised
 partials (acc [512], m, l) that kernel 2, ``_sparse_mla_combine_kernel`` (grid
 ``(T, H)``), merges into out + lse.
 
+Record formats (``FP8``, ``NVFP4``; neither: bf16 rows): fp8_ds_mla pieces are decoded
+exactly to bf16 and their group scale applied to the partial score and to p; an
+nvfp4_ds_mla piece is dequantized in the loader (e2m1 code x its e4m3 block scale, exact
+in bf16: ``nvfp4_record``), so its dots are plain bf16 ones, and its RoPE is e4m3 decoded
+exactly.
+
 RoPE width (``ROPE``, 64 or 0): at 0 (latent-512 MLA without RoPE, GLM-5.3-Flash) the
 q_pe @ k_pe^T piece is not traced (q_pe and the record's rope slot are never read) and the
 scores are the four latent pieces alone; the ROPE=64 code is unchanged.
@@ -30,7 +36,8 @@ this file) spills at BLOCK_H = 64 on sm90 (256-584 bytes of stack over every BLO
 warps/stages tried) and sm120 (32-248); BLOCK_H = 32 fits everywhere. Measured with
 ptxas, 8 warps: BLOCK_H 16: 151 registers (fp8, sm90, 2 stages), 56 KiB shared; BLOCK_H
 32: 175-223 registers (fp8, sm80/89/90/120, 1 stage), 40 KiB shared; bf16 167-178
-registers, 74-76 KiB; no spills, all under the 99 KiB SM12x limit.
+registers, 74-76 KiB; no spills, all under the 99 KiB SM12x limit. nvfp4 walks 16 rows
+a step (``CHUNK_K``; the split grain stays 32): 128-194 registers, 23-51 KiB, 2 stages.
 tests/test_sparse_mla.py compiles every (arch, format, BLOCK_H) the launcher uses.
 ``num_stages`` (:func:`num_stages`): 1 on SM12x, and for fp8 at BLOCK_H = 32 (2 stages
 spill on sm80), else 2.
@@ -55,12 +62,16 @@ import triton.language as tl
 
 from vllm_mla import envs
 from vllm_mla.ops.capture import capturing
-from vllm_mla.ops.sparse_mla.formats import ROPE, SparseMLANotPrepared
-from vllm_mla.ops.triton_bits import e4m3_to_f32, round_to_bf16
+from vllm_mla.ops.sparse_mla import nvfp4_record
+from vllm_mla.ops.sparse_mla.formats import FORMAT, ROPE, SparseMLANotPrepared
+from vllm_mla.ops.triton_bits import e2m1_to_f32, e4m3_to_f32, round_to_bf16
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 SINK_LOG2E = tl.constexpr(LOG2E)  # the sink is a natural-log logit; the kernels work in base 2
+# nvfp4_ds_mla byte offsets (nvfp4_record): RoPE e4m3 at 256, the permuted scales at 320
+NVFP4_ROPE = tl.constexpr(nvfp4_record.ROPE_OFFSET)
+NVFP4_SCALES = tl.constexpr(nvfp4_record.SCALES_OFFSET)
 
 
 @triton.jit
@@ -68,6 +79,31 @@ def _dot(a, b, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _nvfp4_piece(kv_ptr, base, valid, PIECE: tl.constexpr, PV: tl.constexpr):
+    """[BLOCK_K, 128] bf16 latent piece of gathered nvfp4_ds_mla records, dequantized
+    exactly: the piece's 64 bytes (low nibble: even element) and its 8 block scales (block
+    s at byte 320 + 8 (s & 3) + (s >> 2)) are loaded once each, decoded and interleaved in
+    registers (join + reshape), with no FP4 instruction: the same code on every GPU."""
+    rows: tl.constexpr = base.shape[0]
+    j = tl.arange(0, 64)
+    byte_ptrs = kv_ptr + base[:, None] + (j + PIECE * 64)[None, :]
+    if PV:  # a load distinct from the QK one (see _latent_piece)
+        b = tl.load(byte_ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    else:
+        b = tl.load(byte_ptrs, mask=valid[:, None], other=0)
+    s = tl.arange(0, 8) + PIECE * 8
+    sf_ptrs = kv_ptr + base[:, None] + (8 * (s & 3) + (s >> 2) + NVFP4_SCALES)[None, :]
+    if PV:
+        sf_bits = tl.load(sf_ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    else:
+        sf_bits = tl.load(sf_ptrs, mask=valid[:, None], other=0)
+    sf = tl.reshape(tl.broadcast_to(e4m3_to_f32(sf_bits)[:, :, None], (rows, 8, 8)), (rows, 64))
+    even = e2m1_to_f32(b & 0xF) * sf  # exact: <= 6 significant bits
+    odd = e2m1_to_f32(b >> 4) * sf
+    return tl.reshape(tl.join(even, odd), (rows, 128)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -93,23 +129,29 @@ def _latent_piece(kv_ptr, base, valid, PIECE: tl.constexpr, FP8: tl.constexpr, P
 
 @triton.jit
 def _qk_piece(
-    q_rows, hmask, kv_ptr, base, valid, PIECE: tl.constexpr, FP8: tl.constexpr, INTERPRET
+    q_rows, hmask, kv_ptr, base, valid, PIECE: tl.constexpr, FP8: tl.constexpr, NVFP4, INTERPRET
 ):
     # q is reloaded per chunk (an L1 hit): held across the loop, 16x576 bf16 replicated in
     # every warp's MMA operand registers costs ~144 registers per thread and spills.
     q = tl.load(q_rows + PIECE * 128, mask=hmask[:, None], other=0.0)
-    kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, False)
-    s = _dot(q, tl.trans(kv), INTERPRET)
-    if FP8:
-        s = s * scale[None, :]
+    if NVFP4:
+        s = _dot(q, tl.trans(_nvfp4_piece(kv_ptr, base, valid, PIECE, False)), INTERPRET)
+    else:
+        kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, False)
+        s = _dot(q, tl.trans(kv), INTERPRET)
+        if FP8:
+            s = s * scale[None, :]
     return s
 
 
 @triton.jit
-def _pv_piece(acc, alpha, p, kv_ptr, base, valid, PIECE: tl.constexpr, FP8, INTERPRET):
-    kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, True)
-    if FP8:
-        p = p * scale[None, :]
+def _pv_piece(acc, alpha, p, kv_ptr, base, valid, PIECE: tl.constexpr, FP8, NVFP4, INTERPRET):
+    if NVFP4:
+        kv = _nvfp4_piece(kv_ptr, base, valid, PIECE, True)
+    else:
+        kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, True)
+        if FP8:
+            p = p * scale[None, :]
     return acc * alpha[:, None] + _dot(p, kv, INTERPRET)
 
 
@@ -188,6 +230,7 @@ def _sparse_mla_split_kernel(
     s_o_h,
     s_lse_t,
     FP8: tl.constexpr,
+    NVFP4: tl.constexpr,  # nvfp4_ds_mla records (dequantized in the loader)
     HAS_LENGTHS: tl.constexpr,
     DIRECT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -256,19 +299,25 @@ def _sparse_mla_split_kernel(
         rows = tl.where(valid, rows, 0)
         base = (rows // block_size).to(tl.int64) * s_kv_b + (rows % block_size) * s_kv_t
         if ROPE > 0:
-            if FP8:
-                pe_ptrs = (kv_ptr + base[:, None] + 528).to(tl.pointer_type(tl.bfloat16))
+            if NVFP4:  # e4m3, unscaled: decoded exactly
+                pe_bits = tl.load(
+                    kv_ptr + base[:, None] + NVFP4_ROPE + r[None, :], mask=valid[:, None], other=0
+                )
+                kpe = e4m3_to_f32(pe_bits).to(tl.bfloat16)
             else:
-                pe_ptrs = kv_ptr + base[:, None] + 512
-            kpe = tl.load(pe_ptrs + r[None, :], mask=valid[:, None], other=0.0)
+                if FP8:
+                    pe_ptrs = (kv_ptr + base[:, None] + 528).to(tl.pointer_type(tl.bfloat16))
+                else:
+                    pe_ptrs = kv_ptr + base[:, None] + 512
+                kpe = tl.load(pe_ptrs + r[None, :], mask=valid[:, None], other=0.0)
             qpe = tl.load(qpe_ptrs, mask=hmask[:, None], other=0.0)
             s = _dot(qpe, tl.trans(kpe), INTERPRET)
-            s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, INTERPRET)
+            s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, NVFP4, INTERPRET)
         else:  # no RoPE: the latent pieces alone
-            s = _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, INTERPRET)
-        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 1, FP8, INTERPRET)
-        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 2, FP8, INTERPRET)
-        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 3, FP8, INTERPRET)
+            s = _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, NVFP4, INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 1, FP8, NVFP4, INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 2, FP8, NVFP4, INTERPRET)
+        s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 3, FP8, NVFP4, INTERPRET)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -277,10 +326,10 @@ def _sparse_mla_split_kernel(
         alpha = tl.exp2(m - m_safe)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
-        acc0 = _pv_piece(acc0, alpha, p, kv_ptr, base, valid, 0, FP8, INTERPRET)
-        acc1 = _pv_piece(acc1, alpha, p, kv_ptr, base, valid, 1, FP8, INTERPRET)
-        acc2 = _pv_piece(acc2, alpha, p, kv_ptr, base, valid, 2, FP8, INTERPRET)
-        acc3 = _pv_piece(acc3, alpha, p, kv_ptr, base, valid, 3, FP8, INTERPRET)
+        acc0 = _pv_piece(acc0, alpha, p, kv_ptr, base, valid, 0, FP8, NVFP4, INTERPRET)
+        acc1 = _pv_piece(acc1, alpha, p, kv_ptr, base, valid, 1, FP8, NVFP4, INTERPRET)
+        acc2 = _pv_piece(acc2, alpha, p, kv_ptr, base, valid, 2, FP8, NVFP4, INTERPRET)
+        acc3 = _pv_piece(acc3, alpha, p, kv_ptr, base, valid, 3, FP8, NVFP4, INTERPRET)
 
     if HAS_ERR:  # noqa: SIM102 (a constexpr branch; Triton cannot mix it into `and`)
         if tl.program_id(1) == 0:  # one head group per (token, split) counts its slice
@@ -366,7 +415,11 @@ def _sparse_mla_combine_kernel(
 
 BLOCK_H = 16  # the smallest head tile (tl.dot's minimum M); see block_h
 WIDE_BLOCK_H = 32  # the widest head tile that compiles without spills (module docstring)
-BLOCK_K = 32
+BLOCK_K = 32  # the split grain (split_len is a multiple of it), and bf16/fp8's chunk
+# Gathered rows per loop step, per loader (FORMAT[...].reader); each divides BLOCK_K.
+# nvfp4's in-register dequant spills at 32 (ptxas sm90, 32 heads: 255 registers + 80-96
+# bytes of stack); at 16 it takes 128-194 registers with 2 stages on sm80/89/90.
+CHUNK_K = {"bf16": BLOCK_K, "fp8": BLOCK_K, "nvfp4": 16}
 NUM_WARPS = 8  # 4 warps: fp8 needs ~250 registers/thread (ptxas, sm90)
 TARGET_PROGRAMS = 256  # ~2 programs per SM on 132-170 SM parts
 MAX_SPLITS = 16
@@ -480,7 +533,8 @@ def num_stages(major: int, fp8: bool, heads_per_program: int) -> int:
 def _num_stages(device: torch.device, fp8: bool, heads_per_program: int) -> int:
     if device.type != "cuda":
         return 1
-    return num_stages(torch.cuda.get_device_capability(device)[0], fp8, heads_per_program)
+    major = torch.cuda.get_device_capability(device)[0]
+    return num_stages(major, fp8, heads_per_program)
 
 
 def site_for(
@@ -543,7 +597,8 @@ class LaunchSite:
         self.rope = rope  # qk_rope_head_dim: 64, or 0 (q_pe and the rope slot unread)
         self.num_heads, self.topk, self.kv_format = num_heads, topk, kv_format
         self.block_h = block_h(num_heads)
-        self.fp8 = kv_format == "fp8_ds_mla"
+        reader = FORMAT[kv_format].reader  # "bf16", "fp8" or "nvfp4": the kernel's loader
+        self.fp8, self.nvfp4 = reader == "fp8", reader == "nvfp4"
         self.qk_scale = softmax_scale * LOG2E
         self.block_size = kv_cache.shape[1]
         self.num_rows = kv_cache.shape[0] * kv_cache.shape[1]
@@ -555,6 +610,7 @@ class LaunchSite:
         self.fixed_specs = tuple(_spec(v) for v in (num_heads, self.block_size, *self.kv_strides))
         self.interpret = envs.triton_interpret()
         self.num_stages = _num_stages(self.device, self.fp8, self.block_h)
+        self.block_k = CHUNK_K[reader]
         self._splits: dict[int, _Split] = {}
         self._keys: dict[tuple, tuple] = {}  # a launched call's raw description -> its key
         self._registry = _compiled  # the variant set _keys was filled against
@@ -608,6 +664,7 @@ class LaunchSite:
         if consts is None:
             consts = self._consts[(direct, flags)] = dict(
                 FP8=self.fp8,
+                NVFP4=self.nvfp4,
                 HAS_LENGTHS=flags[0],
                 DIRECT=direct,
                 WRITE_LSE=flags[1],
@@ -617,7 +674,7 @@ class LaunchSite:
                 SINK=flags[5],
                 ROPE=self.rope,
                 BLOCK_H=self.block_h,
-                BLOCK_K=BLOCK_K,
+                BLOCK_K=self.block_k,
                 INTERPRET=self.interpret,
                 num_warps=NUM_WARPS,
                 num_stages=self.num_stages,
