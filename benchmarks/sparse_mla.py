@@ -2,7 +2,7 @@
 
 1. Correctness gate: Triton vs ``sparse_mla_reference`` for decode T in {1, 8, 32, 64}
    (ragged ``lengths`` and -1 padding) and extend T=4096, H in {16, 64}, top-k 2048,
-   fp8_ds_mla and bf16, block size 64, a cache of ``--blocks`` blocks whose pages
+   every KV format (bf16, fp8_ds_mla, nvfp4_ds_mla), block size 64, a cache of ``--blocks`` blocks whose pages
    interleave with another layer's (dim-0 stride = two pages).
 2. CUDA graphs: prewarm, capture one decode call (T=32, H=16), replay on fresh q /
    indices / lengths copied into the captured buffers; each replay must match.
@@ -59,7 +59,7 @@ from vllm_mla.ops.sparse_mla import (
     sparse_mla_reference,
 )
 from vllm_mla.ops.sparse_mla import triton_kernels as kernels
-from vllm_mla.ops.sparse_mla.formats import FP8_ROPE_OFFSET
+from vllm_mla.ops.sparse_mla.formats import FORMAT
 
 SCALE = 1 / math.sqrt(192 + 64)  # GLM-5: qk_nope 192 + rope 64
 FLASH_SCALE = 1 / math.sqrt(256)  # GLM-5.3-Flash: qk_nope 256, no RoPE
@@ -71,7 +71,7 @@ FLASH_HEADS, FLASH_TOPK_WIDTH = (8, 16), 2176
 
 def make_cache(fmt, num_blocks, block_size, device, gen, rope=64):
     """Packed random rows; pages interleave with a NaN-filled neighbour (stride = 2 pages).
-    ``rope`` 0: GLM-5.3-Flash's records (fp8_ds_mla keeps its 656 bytes, the RoPE slot
+    ``rope`` 0: GLM-5.3-Flash's records (fixed-width records keep their bytes, the RoPE slot
     filled with NaN bytes as a page vLLM never wrote there would hold; bf16 512 wide)."""
     n = num_blocks * block_size
     kv_c = torch.randn(n, 512, generator=gen, device=device)
@@ -80,9 +80,10 @@ def make_cache(fmt, num_blocks, block_size, device, gen, rope=64):
     big = torch.empty(
         (num_blocks, 2, block_size, packed.shape[1]), dtype=packed.dtype, device=device
     )
-    big.view(torch.uint8).fill_(0xFF)  # NaN in both formats
-    if fmt == "fp8_ds_mla" and rope == 0:
-        packed[:, FP8_ROPE_OFFSET:] = 0xFF  # the unread slot: a stray read turns into NaN
+    big.view(torch.uint8).fill_(0xFF)  # NaN in every format (nvfp4: its scales)
+    slot = FORMAT[fmt].rope_slot
+    if slot is not None and rope == 0:  # the unread slot: a stray read turns into NaN
+        packed[:, slot[0] : slot[1]] = 0xFF
     big[:, 0] = packed.view(num_blocks, block_size, -1)
     return big[:, 0]
 
@@ -541,7 +542,7 @@ def main() -> int:
             for t, h in ((1, 3), (3, 16)):
                 report["checks"].append(check(fmt, t, h, 40, cache, device, gen, impl))
             # the DCP path, eager (no graphs without a GPU): one shard layout per format
-            shape = DCP_SMOKE[KV_FORMATS.index(fmt)]
+            shape = DCP_SMOKE[KV_FORMATS.index(fmt) % len(DCP_SMOKE)]
             report["checks"].append(
                 dcp_check(fmt, device, gen, t=8, k=40, graph=False, rounds=1, **shape)
             )

@@ -11,6 +11,7 @@ from vllm_mla.ops.sparse_mla import (
     SparseMLATypeError,
     pack_bf16,
     pack_fp8_ds_mla,
+    pack_rows,
     record_bytes,
     sparse_mla_forward,
     sparse_mla_reference,
@@ -20,6 +21,7 @@ from vllm_mla.ops.sparse_mla import (
 
 def test_record_bytes():
     assert record_bytes("fp8_ds_mla") == 656 and record_bytes("bf16") == 1152
+    assert record_bytes("nvfp4_ds_mla") == 352  # vLLM's page size is keyed on it
     with pytest.raises(SparseMLAError, match="kv_format: expected one of"):
         record_bytes("fp8_e4m3")
 
@@ -95,10 +97,8 @@ def test_kernel_decodes_every_e4m3_code_exactly():
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_unpack_checks_the_cache(fmt):
-    other = "bf16" if fmt == "fp8_ds_mla" else "fp8_ds_mla"
-    cache = pack_fp8_ds_mla(torch.zeros(4, 512), torch.zeros(4, 64)).view(2, 2, 656)
-    if fmt == "bf16":
-        cache = pack_bf16(torch.zeros(4, 512), torch.zeros(4, 64)).view(2, 2, 576)
+    other = "fp8_ds_mla" if fmt == "bf16" else "bf16"  # a format of another cache dtype
+    cache = pack_rows(torch.zeros(4, 512), torch.zeros(4, 64), fmt).view(2, 2, -1)
     unpack_rows(cache, torch.tensor([3]), fmt)
     with pytest.raises(SparseMLATypeError, match=f"kv_cache: format {other} expects dtype"):
         unpack_rows(cache, torch.tensor([3]), other)

@@ -21,7 +21,7 @@ from vllm_mla.ops.sparse_mla import (
     sparse_mla_reference,
     unpack_rows,
 )
-from vllm_mla.ops.sparse_mla.formats import FP8_ROPE_OFFSET, unpack_records
+from vllm_mla.ops.sparse_mla.formats import FORMAT, unpack_records
 from vllm_mla.ops.sparse_mla.validate import validate
 
 pytest.importorskip("triton")
@@ -43,18 +43,32 @@ def make_cache(fmt, num_blocks=5, block_size=16, *, seed=0, rope_slot=0xFF):
     Binary-grid values as tests/test_sparse_mla.py's: every dot exact in fp32."""
     gen = torch.Generator().manual_seed(seed)
     n = num_blocks * block_size
-    kv_c = torch.randint(-7, 8, (n, LATENT), generator=gen) / 8
-    kv_c[:, ::128] = 7 / 8
+    kv_c = grid_rows(fmt, n, gen)
     kv_c *= torch.exp2(torch.randint(-2, 2, (n, 1), generator=gen).float())
     packed = pack_rows(kv_c, no_rope(n), fmt)
     width = packed.shape[1]
-    if fmt == "fp8_ds_mla":
-        packed[:, FP8_ROPE_OFFSET:] = rope_slot
+    slot = FORMAT[fmt].rope_slot
+    if slot is not None:  # a fixed-width record: its unread RoPE slot poisoned
+        packed[:, slot[0] : slot[1]] = rope_slot
         big = torch.full((num_blocks, 2, block_size, width), 0xFF, dtype=torch.uint8)
     else:
         big = torch.full((num_blocks, 2, block_size, width), float("nan"), dtype=torch.bfloat16)
     big[:, 0] = packed.view(num_blocks, block_size, -1)
     return big[:, 0]
+
+
+def grid_rows(fmt, n, gen):
+    """Rows every codec stores exactly: eighths with each fp8 128-group's amax 7/8 (a
+    power-of-two scale); for nvfp4, e2m1 values / 8 with each 16-block's amax 6/8 (scale
+    1/8, an e4m3 value)."""
+    if FORMAT[fmt].reader == "nvfp4":
+        e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -3.0, -6.0])
+        kv_c = e2m1[torch.randint(0, 12, (n, LATENT), generator=gen)] / 8
+        kv_c[:, ::16] = 6 / 8
+        return kv_c
+    kv_c = torch.randint(-7, 8, (n, LATENT), generator=gen) / 8
+    kv_c[:, ::128] = 7 / 8
+    return kv_c
 
 
 def make_q(t, h, *, seed=0, dtype=torch.bfloat16):
@@ -80,22 +94,22 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_record_geometry_and_round_trip(fmt):
-    """rope 0: fp8_ds_mla keeps its 656-byte record (vLLM sizes the page by the format),
-    bf16 is kv_c alone (512 wide); values on the e4m3 / bf16 grids round-trip exactly, and
-    k_pe comes back 0 wide. rope 64 is unchanged."""
-    want = FP8_DS_MLA_RECORD if fmt == "fp8_ds_mla" else LATENT
+    """rope 0: fp8_ds_mla and nvfp4_ds_mla keep their 656- and 352-byte records (vLLM
+    sizes the page by the format), bf16 is kv_c alone (512 wide); values on each codec's
+    grid round-trip exactly, and k_pe comes back 0 wide. rope 64 is unchanged."""
+    slot = FORMAT[fmt].rope_slot
+    want = {"fp8_ds_mla": FP8_DS_MLA_RECORD, "nvfp4_ds_mla": 352, "bf16": LATENT}[fmt]
     assert record_width(fmt, 0)[0] == want
-    assert record_bytes(fmt, 0) == (want if fmt == "fp8_ds_mla" else 2 * LATENT)
+    assert record_bytes(fmt, 0) == (want if slot else 2 * LATENT)
     assert record_width(fmt) == record_width(fmt, 64)
-    kv_c = torch.randint(-7, 8, (6, LATENT)) / 8
-    kv_c[:, ::128] = 7 / 8  # group amax 7/8: power-of-two scale, exact e4m3 codes
+    kv_c = grid_rows(fmt, 6, torch.Generator().manual_seed(0))
     rec = pack_rows(kv_c, no_rope(6), fmt)
     assert rec.shape == (6, want)
     got_c, got_pe = unpack_records(rec, fmt, 0)
     assert torch.equal(got_c, kv_c) and got_pe.shape == (6, 0)
-    if fmt == "fp8_ds_mla":
-        assert (rec[:, FP8_ROPE_OFFSET:] == 0).all()  # packed zero, never uninitialised
-        rec[:, FP8_ROPE_OFFSET:] = 0xFF  # what the page held: not read back
+    if slot is not None:
+        assert (rec[:, slot[0] : slot[1]] == 0).all()  # packed zero, never uninitialised
+        rec[:, slot[0] : slot[1]] = 0xFF  # what the page held: not read back
         assert torch.equal(unpack_records(rec, fmt, 0)[0], kv_c)
     cache = rec.view(2, 3, -1)
     c2, pe2 = unpack_rows(cache, torch.tensor([[5, 0]]), fmt, 0)

@@ -4,7 +4,9 @@ Modules: ``formats`` (cache records, constants, errors), ``validate`` (the argum
 contract), ``reference`` (torch), ``triton_kernels`` (split-K kernels, split plan,
 scratch sizing), ``api`` (``sparse_mla_forward``, scratch sizing, prewarm), ``dispatch``
 (the one implementation choice and run), ``custom_op`` (the op torch sees),
-``b12x_runner`` (b12x's SM12x kernels behind the same contract), ``preparation``
+``b12x_runner`` (b12x's SM12x kernels behind the same contract), ``record_write`` (the
+cache write, with its Triton nvfp4_ds_mla writer in ``record_write_kernel``; the codec in
+``nvfp4_record``), ``preparation``
 (plan -> prepare -> bind -> run -> release, the bound decode call), ``selection``
 (top-k buffer ownership, logical -> physical rows). The vLLM backend is
 ``vllm_mla.vllm.sparse``.
@@ -12,7 +14,7 @@ scratch sizing), ``api`` (``sparse_mla_forward``, scratch sizing, prewarm), ``di
 
 Contract: ``q [T, H, 576]`` (or ``(q_nope [T, H, 512], q_pe [T, H, 64])``, any strides
 with a contiguous last dim), bf16 or fp32; ``kv_cache [num_blocks, block_size, record]``
-in ``fp8_ds_mla`` or ``bf16`` (kv_format), addressed by strides; ``indices [T, K]``
+in ``fp8_ds_mla``, ``bf16`` or ``nvfp4_ds_mla`` (kv_format), addressed by strides; ``indices [T, K]``
 int32 physical rows, -1 empty, entries at ``j >= lengths[t]`` ignored.
 ``score = softmax_scale * (q_nope . kv_c + q_pe . k_pe)``,
 ``out = softmax(score) @ kv_c`` ``[T, H, 512]`` in q's dtype, ``lse`` natural-log fp32;
@@ -59,6 +61,7 @@ from vllm_mla.ops.sparse_mla.preparation import (
     SparseMLAPlan,
     plan,
 )
+from vllm_mla.ops.sparse_mla.record_write import write_records, write_records_reference
 from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
 from vllm_mla.ops.sparse_mla.selection import (
     SelectionUnavailable,
@@ -103,4 +106,6 @@ __all__ = [
     "sparse_mla_forward",
     "sparse_mla_reference",
     "unpack_rows",
+    "write_records",
+    "write_records_reference",
 ]

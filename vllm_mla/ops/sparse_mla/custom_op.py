@@ -1,15 +1,16 @@
-"""``torch.ops.vllm_mla.sparse_mla_forward``: the op torch.compile and CUDA graphs see.
+"""The sparse-MLA ops torch.compile and CUDA graphs see: ``vllm_mla::sparse_mla_forward``
+and ``vllm_mla::write_kv_records`` (``record_write``; mutates ``kv_cache``).
 
-Mutates ``out``, ``lse``, ``scratch`` and ``invalid``; reads ``sink`` (``Tensor?``, last,
-default None: the schema without a sink is a prefix of this one); the fake impl
-allocates nothing.
+``sparse_mla_forward`` mutates ``out``, ``lse``, ``scratch`` and ``invalid``; reads ``sink`` (``Tensor?``, last,
+default None: the schema without a sink is a prefix of this one). The fake impls
+allocate nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_mla.ops.sparse_mla import dispatch
+from vllm_mla.ops.sparse_mla import dispatch, record_write
 from vllm_mla.ops.sparse_mla.validate import validate
 
 
@@ -78,4 +79,22 @@ def _(
     impl,
     sink=None,
 ):
+    return None
+
+
+@torch.library.custom_op("vllm_mla::write_kv_records", mutates_args=("kv_cache",))
+def write_kv_records_op(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_format: str,
+    impl: str,
+) -> None:
+    # checked by record_write.write_records, which resolved ``impl`` for this device
+    record_write.run(impl, kv_c, k_pe, kv_cache, slot_mapping, kv_format)
+
+
+@write_kv_records_op.register_fake
+def _(kv_c, k_pe, kv_cache, slot_mapping, kv_format, impl):
     return None

@@ -72,7 +72,7 @@ class KVFormat:
     name: str  # the kernels' name for it (``kv_format``)
     elem: torch.dtype  # the cache tensor's element dtype
     elems: int  # elements per record at rope 64
-    keeps_width: bool  # at rope 0 the record keeps its width (the rope slot unread)
+    rope_slot: tuple[int, int] | None  # fixed-width records: the RoPE slot [start, end)
     cache_dtypes: tuple[str, ...]  # vLLM ``kv_cache_dtype`` values served as this format
     requested_as: tuple[str, ...]  # requests the sparse feature canonicalises to it
     reader: str  # how the Triton kernel reads a latent row: "bf16", "fp8" or "nvfp4"
@@ -84,6 +84,12 @@ class KVFormat:
     def record_elems(self, rope: int = ROPE) -> int:
         """Elements per record at RoPE width ``rope``."""
         return self.elems if self.keeps_width else self.elems - ROPE + rope
+
+    @property
+    def keeps_width(self) -> bool:
+        """At rope 0 the record keeps its width (vLLM sizes the page by the format) and
+        its RoPE slot is never read."""
+        return self.rope_slot is not None
 
 
 def _check_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -156,7 +162,7 @@ KV_FORMAT_TABLE: tuple[KVFormat, ...] = (
         name="fp8_ds_mla",
         elem=torch.uint8,
         elems=FP8_DS_MLA_RECORD,
-        keeps_width=True,
+        rope_slot=(FP8_ROPE_OFFSET, FP8_DS_MLA_RECORD),
         cache_dtypes=("fp8_ds_mla",),
         requested_as=("fp8", "fp8_e4m3"),
         reader="fp8",
@@ -169,7 +175,7 @@ KV_FORMAT_TABLE: tuple[KVFormat, ...] = (
         name="bf16",
         elem=torch.bfloat16,
         elems=HEAD_DIM,
-        keeps_width=False,
+        rope_slot=None,
         cache_dtypes=("auto", "bfloat16"),  # auto: the model dtype, served for bf16 models
         requested_as=(),
         reader="bf16",
@@ -182,7 +188,7 @@ KV_FORMAT_TABLE: tuple[KVFormat, ...] = (
         name="nvfp4_ds_mla",
         elem=torch.uint8,
         elems=NVFP4_DS_MLA_RECORD,
-        keeps_width=True,
+        rope_slot=(nvfp4_record.ROPE_OFFSET, nvfp4_record.SCALES_OFFSET),
         cache_dtypes=("nvfp4_ds_mla",),
         requested_as=(),
         reader="nvfp4",

@@ -36,6 +36,7 @@ RECORD = NVFP4_DS_MLA_RECORD  # 352
 ROPE_OFFSET = LATENT // 2  # 256
 SCALES_OFFSET = ROPE_OFFSET + ROPE  # 320
 BLOCKS = LATENT // NVFP4_BLOCK  # 32 scales a record
+SCALE_FLOOR = NVFP4_SCALE_FLOOR  # 2**-9, the smallest e4m3 subnormal: sf is never 0
 # e2m1 magnitudes by code (codes 0..7; bit 3 is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the midpoints between neighbouring magnitudes: a tie rounds to the even code
@@ -80,7 +81,7 @@ def block_scales(kv_c: torch.Tensor) -> torch.Tensor:
     """``[N, 32]`` e4m3 scales (fp32 values) of ``kv_c [N, 512]``: e4m3(max(amax/6, 2**-9))."""
     blocks = kv_c.float().reshape(kv_c.shape[0], BLOCKS, NVFP4_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    sf = torch.clamp(amax / E2M1_MAX, min=NVFP4_SCALE_FLOOR)
+    sf = torch.clamp(amax / E2M1_MAX, min=SCALE_FLOOR)
     return e4m3_codes(sf).view(torch.float8_e4m3fn).float()
 
 
