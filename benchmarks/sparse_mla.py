@@ -2,8 +2,9 @@
 
 1. Correctness gate: Triton vs ``sparse_mla_reference`` for decode T in {1, 8, 32, 64}
    (ragged ``lengths`` and -1 padding) and extend T=4096, H in {16, 64}, top-k 2048,
-   every KV format (bf16, fp8_ds_mla, nvfp4_ds_mla), block size 64, a cache of ``--blocks`` blocks whose pages
-   interleave with another layer's (dim-0 stride = two pages).
+   every KV format (bf16, fp8_ds_mla, nvfp4_ds_mla), block size 64, a cache of
+   ``--blocks`` blocks whose pages interleave with another layer's (dim-0 stride = two
+   pages).
 2. CUDA graphs: prewarm, capture one decode call (T=32, H=16), replay on fresh q /
    indices / lengths copied into the captured buffers; each replay must match.
 3. Soak: ``--soak`` replays (default 10,000) cycling through a bank of input sets, each

@@ -594,7 +594,8 @@ for arch, fmt, direct, heads, *extra in json.loads(sys.argv[1]):
            "bt_width": "i32", "dcp_period": "i32", "dcp_start": "i32", "dcp_interleave": "i32",
            **{n: "i32" for n in INTS},
            "qk_scale": "fp32", **{n: "i32" for n in STRIDES}}
-    const = dict(FP8=fp8, NVFP4=nvfp4, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True, HAS_ERR=True,
+    const = dict(FP8=fp8, NVFP4=nvfp4, HAS_LENGTHS=True, DIRECT=direct, WRITE_LSE=True,
+                 HAS_ERR=True,
                  LOGICAL=True, DCP=bool(dcp), SINK=bool(sink), ROPE=rope,
                  BLOCK_H=bh, BLOCK_K=k.CHUNK_K[k.FORMAT[fmt].reader], INTERPRET=False)
     names = list(sig)

@@ -13,7 +13,8 @@ token of a prompt longer than top-k. This reference patches exactly those two po
   keys per token (ue8m0, floor 1e-4), logits ``k_scale * sum_h w * relu(q . k)``, top-k
   with ties toward the lower position;
 - the latent KV: ``kv_a_layernorm``'s output and the roped ``k_pe`` are passed through the
-  cache format (bf16 records, or ``fp8_ds_mla``'s e4m3 + per-128 scales and bf16 k_pe).
+  cache format (bf16 records, ``fp8_ds_mla``'s e4m3 + per-128 scales and bf16 k_pe, or
+  ``nvfp4_ds_mla``'s e2m1 + per-16 e4m3 scales and e4m3 k_pe: the records' own codec).
 
 Everything else (projections, RMSNorms, interleaved MLA RoPE, attention, MLP) is
 transformers' own fp32 code.
@@ -40,9 +41,12 @@ def round_kv_c(kv_c: torch.Tensor, kv_format: str) -> torch.Tensor:
     return unpack_records(records, kv_format)[0].reshape(kv_c.shape).to(kv_c.dtype)
 
 
-def round_k_pe(k_pe: torch.Tensor) -> torch.Tensor:
-    """The roped ``k_pe`` as the cache gives it back: bf16 in both record formats."""
-    return k_pe.to(torch.bfloat16).to(k_pe.dtype)
+def round_k_pe(k_pe: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """The roped ``k_pe`` as the cache gives it back (bf16 in bf16 and fp8_ds_mla records,
+    e4m3 in nvfp4_ds_mla's)."""
+    flat = k_pe.reshape(-1, k_pe.shape[-1])
+    records = pack_rows(torch.zeros(flat.shape[0], 512), flat, kv_format)
+    return unpack_records(records, kv_format)[1].reshape(k_pe.shape).to(k_pe.dtype)
 
 
 @contextlib.contextmanager
@@ -131,7 +135,7 @@ def emulating_vllm(kv_format: str, decisions: Decisions | None = None) -> Iterat
 
         def rounded_rope(q, k, *a, **kw):
             q, k = rope_interleave(q, k, *a, **kw)
-            return q, round_k_pe(k)
+            return q, round_k_pe(k, kv_format)
 
         m.apply_rotary_pos_emb_interleave = rounded_rope
 
@@ -162,9 +166,11 @@ def reference(
     max_tokens: int,
     kv_format: str | None,
     decisions: Decisions | None = None,
+    forced: list[list[int]] | None = None,
 ):
     """Greedy tokens and full-vocabulary log-probabilities at every generated position,
-    teacher-forced on its own greedy tokens; ``kv_format`` None: plain transformers."""
+    teacher-forced on its own greedy tokens (or on ``forced[i]``, another run's tokens for
+    prompt i); ``kv_format`` None: plain transformers."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -175,7 +181,9 @@ def reference(
     with torch.no_grad(), scope:
         for ids in prompt_ids:
             tokens = list(ids)
-            for _ in range(max_tokens):
+            if forced is not None:
+                tokens += forced[len(results)][:max_tokens]
+            while len(tokens) < len(ids) + max_tokens:
                 logits = model(torch.tensor([tokens])).logits[0, -1]
                 tokens.append(int(logits.argmax()))
             full = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)

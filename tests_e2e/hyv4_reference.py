@@ -63,7 +63,7 @@ def emulating_vllm(kv_format: str | None, rope: str = "interleaved") -> Iterator
             cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
             q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
         if kv_format is not None and not in_indexer[0]:
-            k = round_k_pe(k)  # the MLA k_pe, as the cache gives it back
+            k = round_k_pe(k, kv_format)  # the MLA k_pe, as the cache gives it back
         return q, k
 
     def indexer_forward(self, *args, **kwargs):

@@ -16,7 +16,8 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm_layers import post_load
 
-from vllm_mla.ops.sparse_mla import PreparationSession
+from vllm_mla.ops.sparse_mla import PreparationSession, pack_rows
+from vllm_mla.ops.sparse_mla.formats import unpack_records
 from vllm_mla.vllm import plugin
 from vllm_mla.vllm.sparse import impl as impl_mod
 from vllm_mla.vllm.sparse import registration
@@ -104,6 +105,7 @@ def test_fp8_resolves_to_fp8_ds_mla_for_ours_only_and_auto_stays(registered):
         assert canonical(Other, dtype) == dtype  # another backend: unchanged
     assert canonical(B12XMLASparseBackend, "auto") == "auto"
     assert canonical(B12XMLASparseBackend, "bfloat16") == "bfloat16"
+    assert canonical(B12XMLASparseBackend, "nvfp4_ds_mla") == "nvfp4_ds_mla"  # kept as is
     registration.claim_custom()
     assert canonical(AttentionBackendEnum.CUSTOM.get_class(), "fp8") == "fp8_ds_mla"
 
@@ -135,7 +137,7 @@ def validate(
     )
 
 
-@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bfloat16", "auto", "fp8"])
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bfloat16", "auto", "fp8", "nvfp4_ds_mla"])
 @pytest.mark.parametrize("block", [64, 128, 256])
 @pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 1)])
 def test_validate_accepts_what_it_serves(kv, block, cap):
@@ -149,7 +151,6 @@ def test_validate_accepts_what_it_serves(kv, block, cap):
         ({"head": 320}, "head_size not supported"),  # 576 and 512 (no RoPE) are served
         ({"dtype": torch.float16}, "dtype not supported"),
         ({"kv": "fp8_e5m2"}, "kv_cache_dtype not supported"),
-        ({"kv": "nvfp4_ds_mla"}, "kv_cache_dtype not supported"),
         ({"block": 32}, "block_size not supported"),
         ({"block": 16}, "block_size not supported"),
         ({"sparse": False}, "non-sparse not supported"),
@@ -292,14 +293,9 @@ def reference(q_full, kv, physical, scale):
 
 
 def decode(cache, kv_format):
-    """Records of a ``[blocks, 64, W]`` cache -> fp32 ``[rows, 576]``."""
-    flat = cache.reshape(-1, cache.shape[-1])
-    if kv_format == "bf16":
-        return flat.float()
-    scales = flat[:, 512:528].contiguous().view(torch.float32)
-    kv_c = flat[:, :512].contiguous().view(torch.float8_e4m3fn).float()
-    kv_c = (kv_c.view(-1, 4, 128) * scales[..., None]).view(-1, 512)
-    return torch.cat([kv_c, flat[:, 528:].contiguous().view(torch.bfloat16).float()], -1)
+    """Records of a ``[blocks, 64, W]`` cache -> fp32 ``[rows, 576]`` (the format's codec)."""
+    kv_c, k_pe = unpack_records(cache.reshape(-1, cache.shape[-1]), kv_format)
+    return torch.cat([kv_c, k_pe], -1)
 
 
 class SpyKernel:
@@ -337,7 +333,7 @@ def cpu_session(monkeypatch):
     impl_mod.reset_sessions()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "bfloat16", "nvfp4_ds_mla"])
 def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dtype, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     blocks = 4
@@ -346,6 +342,9 @@ def test_forward_mqa_converts_logical_to_physical_rows(cpu_session, kv_cache_dty
     decoded = torch.cat([kv_c, k_pe], -1)
     if kv_cache_dtype == "fp8_ds_mla":
         cache = pack_fp8(kv_c, k_pe).view(blocks, BLOCK, 656)
+    elif kv_cache_dtype == "nvfp4_ds_mla":  # what the records hold (e2m1 is lossy)
+        cache = pack_rows(kv_c, k_pe, kv_cache_dtype).view(blocks, BLOCK, 352)
+        decoded = decode(cache, kv_cache_dtype)
     else:
         cache = decoded.bfloat16().view(blocks, BLOCK, 576)
     converted = []

@@ -67,6 +67,7 @@ from vllm_mla.ops.query_projection import (
     can_fuse_query_projection,
     prewarm_query_projection,
 )
+from vllm_mla.ops.sparse_mla.formats import FORMAT
 from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.capabilities import capabilities_for
 
@@ -203,13 +204,15 @@ def _kernel_ok(layer: nn.Module, weight: torch.Tensor, out_dtype: torch.dtype) -
 
 def _rows(layer: nn.Module, mode: str) -> int:
     """The DSA row layout's width for this layer (0: none): a backend declaring
-    ``supports_fused_query_projection`` that serves it with a b12x plan on fp8_ds_mla."""
+    ``supports_fused_query_projection`` that serves it with a b12x plan on a record b12x
+    reads (the KV-format table's ``b12x_recipe``: fp8_ds_mla)."""
     caps = capabilities_for(_backend_name(layer))
     if mode == "staged" or not caps.supports_fused_query_projection:
         return 0
     impl = layer.impl
     plan = getattr(impl, "plan", None)
-    if getattr(plan, "impl", None) != "b12x" or getattr(impl, "kv_format", None) != "fp8_ds_mla":
+    fmt = FORMAT.get(getattr(impl, "kv_format", None) or "")
+    if getattr(plan, "impl", None) != "b12x" or fmt is None or fmt.b12x_recipe is None:
         return 0
     if layer.qk_rope_head_dim != ROPE:  # b12x reads [latent | rope] rows of this geometry
         return 0

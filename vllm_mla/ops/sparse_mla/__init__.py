@@ -14,8 +14,8 @@ cache write, with its Triton nvfp4_ds_mla writer in ``record_write_kernel``; the
 
 Contract: ``q [T, H, 576]`` (or ``(q_nope [T, H, 512], q_pe [T, H, 64])``, any strides
 with a contiguous last dim), bf16 or fp32; ``kv_cache [num_blocks, block_size, record]``
-in ``fp8_ds_mla``, ``bf16`` or ``nvfp4_ds_mla`` (kv_format), addressed by strides; ``indices [T, K]``
-int32 physical rows, -1 empty, entries at ``j >= lengths[t]`` ignored.
+in ``fp8_ds_mla``, ``bf16`` or ``nvfp4_ds_mla`` (kv_format), addressed by strides;
+``indices [T, K]`` int32 physical rows, -1 empty, entries at ``j >= lengths[t]`` ignored.
 ``score = softmax_scale * (q_nope . kv_c + q_pe . k_pe)``,
 ``out = softmax(score) @ kv_c`` ``[T, H, 512]`` in q's dtype, ``lse`` natural-log fp32;
 a row with no valid index gives out 0, lse -inf. Optional ``sink`` (fp32 ``[H]``,

@@ -97,6 +97,7 @@ from vllm_mla.ops.capture import capturing
 from vllm_mla.ops.sparse_mla import dispatch
 from vllm_mla.ops.sparse_mla.formats import (
     HEAD_DIM,
+    KV_FORMAT_TABLE,
     LATENT,
     ROPE,
     SparseMLANotPrepared,
@@ -109,8 +110,9 @@ logger = logging.getLogger("vllm_mla")
 # the b12x release this runner's surface was read from (the test environment installs it)
 B12X_VERSION = "1.5.1"
 B12X_MODULE = "b12x.attention.sparse_mla"
-# Our cache format -> the b12x recipe (ModelType attribute name) with the same bytes.
-B12X_RECIPE = {"fp8_ds_mla": "GLM_NSA"}
+# Our cache format -> the b12x recipe (ModelType attribute name) with the same bytes,
+# from the KV-format table (a format without one, bf16 or nvfp4_ds_mla, is declined).
+B12X_RECIPE = {f.name: f.b12x_recipe for f in KV_FORMAT_TABLE if f.b12x_recipe is not None}
 B12X_Q_DTYPE = torch.bfloat16
 B12X_CACHE_DTYPE = torch.uint8
 # b12x's prepared launch uses 16-byte q loads when its priming q allowed them

@@ -1,9 +1,9 @@
 """The sparse-MLA ops torch.compile and CUDA graphs see: ``vllm_mla::sparse_mla_forward``
 and ``vllm_mla::write_kv_records`` (``record_write``; mutates ``kv_cache``).
 
-``sparse_mla_forward`` mutates ``out``, ``lse``, ``scratch`` and ``invalid``; reads ``sink`` (``Tensor?``, last,
-default None: the schema without a sink is a prefix of this one). The fake impls
-allocate nothing.
+``sparse_mla_forward`` mutates ``out``, ``lse``, ``scratch`` and ``invalid``; reads
+``sink`` (``Tensor?``, last, default None: the schema without a sink is a prefix of this
+one). The fake impls allocate nothing.
 """
 
 from __future__ import annotations

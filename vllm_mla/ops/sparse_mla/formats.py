@@ -269,7 +269,6 @@ def check_cache(kv_cache: object, kv_format: str, rope: int = ROPE) -> None:
         )
 
 
-
 def pack_rows(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_format: str) -> torch.Tensor:
     """Pack rows into records of ``kv_format``."""
     check_format(kv_format)

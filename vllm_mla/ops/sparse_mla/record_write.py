@@ -56,9 +56,8 @@ def _check(kv_c, k_pe, kv_cache, slot_mapping, kv_format: str) -> torch.Tensor:
         torch.int32,
         torch.int64,
     ):
-        raise SparseMLATypeError(
-            f"slot_mapping: expected an int32/int64 Tensor, got {getattr(slot_mapping, 'dtype', slot_mapping)!r}"
-        )
+        got = getattr(slot_mapping, "dtype", slot_mapping)
+        raise SparseMLATypeError(f"slot_mapping: expected an int32/int64 Tensor, got {got!r}")
     if slot_mapping.dim() != 1:
         raise SparseMLAError(f"slot_mapping: expected [T], got shape {tuple(slot_mapping.shape)}")
     tokens = slot_mapping.shape[0]

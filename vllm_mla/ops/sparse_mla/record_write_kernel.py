@@ -53,7 +53,9 @@ def _nvfp4_write_kernel(
     hi = f32_to_e2m1(tl.math.div_rn(odd, sf))
     ok_blk = (blk + raw) >= blk  # masks as tensors (the interpreter takes no scalar mask)
     codes = (lo | (hi << 4)).to(tl.uint8)
-    tl.store(dst + blk[:, None] * 8 + pair[None, :], codes, mask=ok_blk[:, None] & (pair >= 0)[None, :])
+    tl.store(
+        dst + blk[:, None] * 8 + pair[None, :], codes, mask=ok_blk[:, None] & (pair >= 0)[None, :]
+    )
     tl.store(dst + _SCALES_AT + 8 * (blk & 3) + (blk >> 2), sf_code, mask=ok_blk)
     r = tl.arange(0, 64)
     ok_r = (r + raw) >= r

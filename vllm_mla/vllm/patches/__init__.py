@@ -110,6 +110,18 @@ module is imported)
     why: the first step after the wake-up is the last moment before garbage is served
     removal: with ``wake_check_sleep``
 
+``dsv32_nvfp4_write`` (feature ``sparse``, applied when its module is imported)
+    versions: 0.32, 0.33, 0.34; on 0.32 the target's parameters are (positions, q_c,
+    q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w, kv_rms_eps, k_pe, k_rope_cos_sin_cache,
+    index_k, index_k_layer_norm_w, index_k_layer_norm_bias, index_k_layer_norm_eps,
+    index_k_rope_cos_sin_cache, topk_indices_buffer, slot_mapping, indexer_slot_mapping,
+    indexer_k_cache, indexer_cache_shuffled, mla_kv_cache, mla_kv_cache_dtype, mla_k_scale,
+    has_indexer, index_rope_interleave, q_c_out, kv_c_out, k_pe_out, index_k_out)
+    target: ``vllm.models.deepseek_v32.attention.fused_norm_rope``
+    why: with the MLA cache passed it writes nvfp4_ds_mla records with
+    ``cvt.rn.satfinite.e2m1x2`` (SM100a/SM120a PTX), so SM80/89/90 fail at the first forward
+    removal: when upstream's nvfp4 writer runs without FP4 PTX
+
 ``tp_pad_config`` (feature ``tp-pad``, on with ``VLLM_MLA_TP_PAD=1``)
     versions: 0.32, 0.33, 0.34
     target: ``vllm.config.model.ModelConfig.verify_with_parallel_config``
@@ -214,6 +226,38 @@ class Patch:
         replacement.__wrapped__ = original
         return replacement
 
+
+# vLLM 0.32's deepseek_v32 fused_norm_rope: 0.33's parameters without skip_scale
+_FUSED_NORM_ROPE_032 = (
+    "positions",
+    "q_c",
+    "q_rms_norm_w",
+    "q_rms_eps",
+    "kv_c",
+    "kv_rms_norm_w",
+    "kv_rms_eps",
+    "k_pe",
+    "k_rope_cos_sin_cache",
+    "index_k",
+    "index_k_layer_norm_w",
+    "index_k_layer_norm_bias",
+    "index_k_layer_norm_eps",
+    "index_k_rope_cos_sin_cache",
+    "topk_indices_buffer",
+    "slot_mapping",
+    "indexer_slot_mapping",
+    "indexer_k_cache",
+    "indexer_cache_shuffled",
+    "mla_kv_cache",
+    "mla_kv_cache_dtype",
+    "mla_k_scale",
+    "has_indexer",
+    "index_rope_interleave",
+    "q_c_out",
+    "kv_c_out",
+    "k_pe_out",
+    "index_k_out",
+)
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -431,6 +475,26 @@ PATCHES: tuple[Patch, ...] = (
         removal="when vLLM CPU keeps the weights its model code reads after loading",
         factory="vllm_mla.vllm.patches.cpu_glm5next_indexer_weights:make_init",
         platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="dsv32_nvfp4_write",
+        feature="sparse",
+        module="vllm.models.deepseek_v32.attention",
+        qualname="fused_norm_rope",
+        params=(
+            *_FUSED_NORM_ROPE_032,
+            "skip_scale",
+        ),
+        versions=SUPPORTED_VLLM,
+        params_at=(("0.32", _FUSED_NORM_ROPE_032),),  # no skip_scale yet
+        why="with the MLA cache passed it writes nvfp4_ds_mla records with "
+        "cvt.rn.satfinite.e2m1x2, SM100a/SM120a PTX: SM80/89/90 fail at the first forward",
+        how="while a B12X_MLA_SPARSE layer serves nvfp4_ds_mla, the original runs without "
+        "the cache and ops.sparse_mla.write_records writes kv_c_out/k_pe_out at "
+        "slot_mapping (Triton, no FP4 PTX); every other call goes to the original",
+        removal="when upstream's nvfp4 writer runs without FP4 PTX",
+        factory="vllm_mla.vllm.patches.dsv32_nvfp4_write:make_fused_norm_rope",
         on_import=True,
     ),
     Patch(

@@ -3,7 +3,8 @@
 Sparse MLA (DeepSeek-V3.2 / GLM-5 DSA), head size 576 (latent 512 + RoPE 64) or 512
 (latent 512 without RoPE: GLM-5.3-Flash), MQA-only (every token goes
 through ``forward_mqa`` with top-k selection; no dense MHA prefill), KV cache
-``fp8_ds_mla`` (656-byte records) or bf16, kernel pages of 64 rows, SM80 and newer.
+``fp8_ds_mla`` (656-byte records), ``nvfp4_ds_mla`` (352) or bf16 (1152), kernel pages
+of 64 rows, SM80 and newer.
 Decode context parallelism: served (``supports_dcp`` reads the impl's; see its module).
 Attention sink (HY-V4's learnable per-head logit): served (``supports_sink``), except
 under decode context parallelism (``served``).
@@ -24,6 +25,7 @@ from vllm_mla.formats import (  # the kernels read 64-row pages
     PAGE_ROWS,
     SPARSE_BACKEND,
 )
+from vllm_mla.ops.sparse_mla.formats import ACCEPTED_CACHE_DTYPES
 from vllm_mla.vllm.sparse.served import (
     SERVES,
     geometry_refusal,
@@ -38,9 +40,10 @@ if TYPE_CHECKING:
 
 NAME = SPARSE_BACKEND
 MIN_CAPABILITY = 8  # SM80: the portable Triton kernel's floor
-# What a user may pass (canonicalised by the sparse_kv_cache_dtype patch: fp8 and auto
-# -> fp8_ds_mla, bfloat16 kept).
-ACCEPTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
+# What a user may pass, from the KV-format table: each format's cache dtypes (auto and
+# bfloat16 -> bf16 records, fp8_ds_mla, nvfp4_ds_mla) and the requests the
+# sparse_kv_cache_dtype patch canonicalises (fp8, fp8_e4m3 -> fp8_ds_mla).
+ACCEPTED_KV_CACHE_DTYPES = ACCEPTED_CACHE_DTYPES
 
 
 class B12XMLASparseBackend(AttentionBackend):

@@ -63,15 +63,16 @@ from vllm_mla.ops.sparse_mla import (
     TopkSelection,
     b12x_runner,
     logical_to_physical,
-    pack_rows,
+    write_records,
 )
+from vllm_mla.ops.sparse_mla.formats import FORMAT, FORMAT_OF_CACHE_DTYPE
 from vllm_mla.ops.sparse_mla.preparation import BoundCall
 from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.sparse.served import refuse_layer, topk_buffer_width
 
 logger = logging.getLogger("vllm_mla")
 
-KV_FORMAT_OF = {"fp8_ds_mla": "fp8_ds_mla", "auto": "bf16", "bfloat16": "bf16"}
+KV_FORMAT_OF = FORMAT_OF_CACHE_DTYPE  # vLLM cache dtype -> record format (the table's)
 SERVED_MODEL_DTYPES = (torch.bfloat16, torch.float32)  # queries the op takes
 # (scratch, out [T, H, 512], lse [T, H] fp32 under DCP else None) of one step
 StepBuffers = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -108,12 +109,34 @@ def plan_for(device: torch.device, caps: SparseMLACaps, impl: str | None = None)
     return _plans[key]
 
 
-def serving_impl(chosen: str, dcp_world_size: int = 1, sink: bool = False, rope: int = ROPE) -> str:
+def b12x_format_declined(kv_format: str) -> str | None:
+    """Why b12x declines ``kv_format`` (None: it has that record, the table's recipe)."""
+    if FORMAT[kv_format].b12x_recipe is not None:
+        return None
+    return (
+        f"b12x declines kv_format {kv_format!r} (b12x {b12x_runner.B12X_VERSION} reads no "
+        f"such record; its sparse-MLA recipes: {sorted(b12x_runner.B12X_RECIPE.values())}); "
+        "the Triton kernel serves"
+    )
+
+
+def serving_impl(
+    chosen: str,
+    dcp_world_size: int = 1,
+    sink: bool = False,
+    rope: int = ROPE,
+    kv_format: str = "fp8_ds_mla",
+) -> str:
     """The implementation this backend's plans use where the kernel chooses ``chosen``
     (``select_impl``): the same, except that under DCP (``B12X_DCP_DECLINED``), with an
-    attention sink (``B12X_SINK_DECLINED``) and without RoPE (``B12X_NOPE_DECLINED``)
-    b12x declines and Triton serves."""
+    attention sink (``B12X_SINK_DECLINED``), without RoPE (``B12X_NOPE_DECLINED``) and for
+    a record b12x does not read (``b12x_format_declined``: bf16, nvfp4_ds_mla) b12x
+    declines and Triton serves."""
     impl = chosen
+    declined = b12x_format_declined(kv_format)
+    if impl == "b12x" and declined is not None:
+        logger.info("vllm-mla: %s: %s", NAME, declined)
+        return "triton"
     if impl == "b12x" and rope != ROPE:
         logger.info("vllm-mla: %s: %s", NAME, B12X_NOPE_DECLINED)
         return "triton"
@@ -274,6 +297,10 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
                 f"{SERVED_MODEL_DTYPES}"
             )
         self.kv_format = kv_format_of(kv_cache_dtype, self.model_dtype)
+        if FORMAT[self.kv_format].reader == "nvfp4":  # DSv3.2's fused write: ours (patch)
+            from vllm_mla.vllm.patches import dsv32_nvfp4_write
+
+            dsv32_nvfp4_write.serve()
         # Before planning (process_weights_after_loading -> select_impl): with b12x
         # installed, SM120/121 gets its kernels; without it this is a no-op.
         b12x_runner.install()
@@ -358,7 +385,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     def _bind_plan(self, device: torch.device) -> PreparationSession:
         self.session = session_for(device)
         chosen = self.session.kernel.select_impl(device)
-        impl = serving_impl(chosen, self.dcp.size, self.sinks is not None, self.qk_rope_head_dim)
+        impl = serving_impl(
+            chosen, self.dcp.size, self.sinks is not None, self.qk_rope_head_dim, self.kv_format
+        )
         self.plan = plan_for(device, self.caps, None if impl == chosen else impl)
         self._call = None  # the next forward binds a call to this plan
         self._locked_buffers = None
@@ -391,11 +420,13 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
     ) -> None:
         """Write this step's latents into the cache records (slots < 0 skipped).
 
-        On CUDA vLLM's own ``concat_and_cache_mla`` (the base implementation); elsewhere
-        (vLLM CPU has no such op) the records are packed here with the kernels' torch
-        packers, ``fp8_ds_mla`` or bf16.
+        bf16 and fp8_ds_mla on CUDA: vLLM's own ``concat_and_cache_mla`` (the base
+        implementation). nvfp4_ds_mla on CUDA: this project's Triton writer (vLLM writes
+        it only with SM100 PTX). Elsewhere (vLLM CPU has no such op): the torch
+        reference, every format. ``k_scale`` is not read: no format here has a
+        per-tensor scale.
         """
-        if kv_cache.is_cuda:
+        if kv_cache.is_cuda and FORMAT[self.kv_format].reader != "nvfp4":
             base = super().do_kv_cache_update
             args = (kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
             return base(*args, skip_scale) if skip_scale else base(*args)
@@ -534,27 +565,6 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             self.plan, softmax_scale=self.scale, buffers=self._buffers, dcp=self.dcp
         )
         return self._call
-
-
-def write_records(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_format: str,
-) -> None:
-    """Pack ``kv_c [T, 512]`` and ``k_pe [T, (1,) rope]`` (rope 64 or 0) into ``kv_cache`` at
-    ``slot_mapping``."""
-    tokens = slot_mapping.shape[0]
-    keep = slot_mapping[:tokens] >= 0
-    if not bool(keep.any()):
-        return
-    slots = slot_mapping[:tokens][keep].long()
-    kv_c = kv_c[:tokens][keep]
-    k_pe = k_pe[:tokens].reshape(tokens, k_pe.shape[-1])[keep]  # rope 0: [T, 0] (no -1)
-    records = pack_rows(kv_c, k_pe, kv_format)
-    block_size = kv_cache.shape[1]
-    kv_cache[slots // block_size, slots % block_size] = records.to(kv_cache.dtype)
 
 
 def convert_to_physical(

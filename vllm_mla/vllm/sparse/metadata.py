@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_mla.formats import ROPE
 from vllm_mla.ops.sparse_mla import select_impl
+from vllm_mla.ops.sparse_mla.formats import FORMAT_OF_CACHE_DTYPE
 from vllm_mla.vllm.sparse.impl import serving_impl
 from vllm_mla.vllm.sparse.served import model_has_sink, topk_buffer_width
 
@@ -63,7 +64,11 @@ class B12XMLASparseMetadataBuilder(AttentionMetadataBuilder[B12XMLASparseMetadat
         dcp = vllm_config.parallel_config.decode_context_parallel_size
         rope = getattr(hf, "qk_rope_head_dim", None)
         rope = rope if isinstance(rope, int) else ROPE
-        impl = serving_impl(select_impl(device), dcp, model_has_sink(hf), rope)  # the layers'
+        # the layers' choice; a spec without a dtype string is taken as b12x-readable, so
+        # the physical-row buffer exists whenever the layers may plan b12x
+        dtype = getattr(kv_cache_spec, "cache_dtype_str", None) or ""
+        fmt = FORMAT_OF_CACHE_DTYPE.get(dtype, "fp8_ds_mla")
+        impl = serving_impl(select_impl(device), dcp, model_has_sink(hf), rope, fmt)
         if impl != "triton":  # the plan takes physical rows
             self.physical_indices_buffer = torch.empty(
                 (max_tokens, self.topk_tokens), dtype=torch.int32, device=device

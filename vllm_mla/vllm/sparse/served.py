@@ -8,8 +8,9 @@ selector the plugin routes without validation).
 
 MLA geometry: latent (kv_lora_rank) 512 with qk_rope_head_dim 64 (DeepSeek-V3.2, GLM-5,
 HY-V4: head_size 576) or 0 (GLM-5.3-Flash, no RoPE: head_size 512, ``k_pe`` ``[T, 1, 0]``,
-its fp8_ds_mla records keep 656 bytes with an unread rope slot, bf16 records are 512
-wide; ``ops.sparse_mla.formats``). Any other latent or RoPE width is refused.
+its fixed-width fp8_ds_mla / nvfp4_ds_mla records keep 656 / 352 bytes with an unread
+rope slot, bf16 records are 512 wide; ``ops.sparse_mla.formats``). Any other latent or
+RoPE width is refused.
 
 Top-k buffer width (``topk_buffer_width``): ``index_topk``, or for a kpool-indexer model
 (hf ``index_kpool``, GLM-5.3-Flash) what vLLM's glm5next allocates for its shared top-k
@@ -45,8 +46,8 @@ class Served:
     latent: int = LATENT  # kv_lora_rank: kv_c, the value / output width
     # qk_rope_head_dim: 64 (DeepSeek-V3.2 / GLM-5 / HY-V4), 0 (GLM-5.3-Flash, no RoPE)
     ropes: tuple[int, ...] = ROPES
-    # (kernel cache format, rope, bytes per KV row): fp8_ds_mla = 512 e4m3 + 4 fp32 scales
-    # + 64 bf16 rope (its slot kept, unread, at rope 0); bf16 = the whole row in bf16
+    # (kernel cache format, rope, bytes per KV row), one per row of the KV-format table
+    # (``KVFormat.summary`` says what each record holds) and RoPE width
     records: tuple[tuple[str, int, int], ...] = tuple(
         (fmt, rope, record_bytes(fmt, rope)) for rope in ROPES for fmt in KV_FORMATS
     )
