@@ -5,7 +5,7 @@ timeout, so a failing or hung step never stops the others); every step merges it
 into ``DIR/essential.json`` after each row, so a timeout keeps what finished.
 
     python benchmarks/essential.py query   --out DIR  # safe bmm, absorbed bmm, fused query
-    python benchmarks/essential.py sparse  --out DIR  # sparse MLA decode + extend, both caches
+    python benchmarks/essential.py sparse  --out DIR  # sparse MLA decode + extend, every record
     python benchmarks/essential.py indexer --out DIR  # DSA indexer insert / logits / top-k
     python benchmarks/essential.py report  --out DIR --step NAME=RC:SECONDS ...
 
@@ -444,7 +444,10 @@ def step_sparse(sec: Section, device) -> None:
         sec.note(f"HBM copy bandwidth {bw / 1e9:.0f} GB/s (1 GiB device-to-device)")
     for fmt in sm.KV_FORMATS:
         cache = sm.make_cache(fmt, blocks, block_size, device, gen)
-        for t in token_counts:
+        nvfp4 = sm.FORMAT[fmt].reader == "nvfp4"
+        # nvfp4_ds_mla (the seeds' records): decode shapes, its writer and reader under
+        # graph replay, one timing; the extend shape is the same loader at another T
+        for t in token_counts if not nvfp4 else token_counts[:2]:
             kind = "decode" if t <= 64 else "extend"
             sec.check(
                 f"sparse_mla {kind}",
@@ -460,7 +463,13 @@ def step_sparse(sec: Section, device) -> None:
             ),
             shape=f"{fmt} T32 H16 K2048",
         )
-        for t in (1, 32):
+        if nvfp4:
+            sec.graph(
+                "graph nvfp4_ds_mla cache writer",
+                lambda: _writer_row(sm.writer_check(device, gen, rounds=3)),
+                shape="T32, 1024 slots (one -1), saturating / zero / -0 rows",
+            )
+        for t in (1, 32) if not nvfp4 else (32,):
             sec.timing(
                 "sparse_mla decode vs HBM",
                 lambda a=(fmt, t, cache): _sparse_timing(*a, device, gen, bw),
@@ -483,6 +492,17 @@ def step_sparse(sec: Section, device) -> None:
         ),
         shape=f"fp8_ds_mla N{dcp['n']} I{dcp['interleave']} T32 (8 x next_n 4) H{dcp['h']} K2048",
     )
+
+
+def _writer_row(row: dict) -> dict:
+    """The writer's row: bytes differing from the torch encoder, bound 0 (bit-exact)."""
+    return {
+        **row,
+        "metric": "mismatched bytes",
+        "value": row["mismatched_bytes"],
+        "bound": 0,
+        "model": "bit-exact: the rule in fp32 division and bit-level e4m3 / e2m1",
+    }
 
 
 def _flash_checks(sec: Section, device, gen, blocks: int, block_size: int) -> None:

@@ -8,7 +8,8 @@
 #          step per process: `query` (safe bmm on vLLM's strided view, absorbed bmm dense +
 #          MXFP8 views, fused query projection BF16/MXFP8 -> BF16/FP8, CUDA-graph replay,
 #          safe vs torch.bmm, direct vs BF16 pair, fused vs staged), `sparse` (sparse MLA
-#          decode T 1/32 + extend T 4096, both cache formats, LSE, graph replay, decode at
+#          decode T 1/32 + extend T 4096, bf16 and fp8_ds_mla records (nvfp4_ds_mla: decode
+#          only, plus its Triton writer under graph replay, byte-exact), LSE, graph replay, decode at
 #          GLM-5 TP4 vs the HBM bandwidth measured in the same run, GLM-5.3-Flash decode
 #          (latent 512 without RoPE, H 8/16, the 2176-wide top-k buffer), then DCP: per-rank LSE
 #          through the Triton kernel under graph replay, merged vs DCP 1), `indexer` (insert,
@@ -62,7 +63,7 @@ esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 # ---- essential: one window. Step timeouts (seconds); tests/test_gpu_check_dry.py sums them.
-ESSENTIAL_STEPS="machine:20 build:90 memcheck:60 query:110 sparse:120 indexer:60 report:15"
+ESSENTIAL_STEPS="machine:20 build:85 memcheck:60 query:110 sparse:130 indexer:55 report:15"
 t_of() { local kv; for kv in $ESSENTIAL_STEPS; do [ "${kv%%:*}" = "$1" ] && echo "${kv##*:}"; done; }
 EXITS=()
 timed() {  # name, command...: under the step's timeout; its exit code and seconds recorded

@@ -53,11 +53,13 @@ from vllm_mla.ops.sparse_mla import (
     PreparationSession,
     SparseMLACaps,
     logical_to_physical,
+    nvfp4_record,
     pack_rows,
     record_bytes,
     scratch_bytes,
     sparse_mla_forward,
     sparse_mla_reference,
+    write_records,
 )
 from vllm_mla.ops.sparse_mla import triton_kernels as kernels
 from vllm_mla.ops.sparse_mla.formats import FORMAT
@@ -203,6 +205,56 @@ def graph_replay_check(fmt, cache, device, gen, t=32, h=16, k=2048, rounds=4) ->
     worst["no_compile_after_capture"] = sm.compiled_variants() == frozen
     worst["ok"] = worst["ok"] and worst["no_compile_after_capture"]
     return {"fmt": fmt, "T": t, "H": h, "K": k, "rounds": rounds, **worst}
+
+
+def writer_check(device, gen, t=32, blocks=16, block_size=64, rounds=3, graph=True) -> dict:
+    """The nvfp4_ds_mla cache writer (Triton) on fresh latents and slots each round (random,
+    saturating, zero and -0 rows; one slot -1), captured once in a CUDA graph and replayed
+    (``graph``; eager otherwise): every record byte-identical to ``nvfp4_record.encode``,
+    every other byte of the cache untouched."""
+    fmt = "nvfp4_ds_mla"
+    cache = torch.empty(blocks, block_size, nvfp4_record.RECORD, dtype=torch.uint8, device=device)
+    kv_c = torch.empty(t, 512, dtype=torch.bfloat16, device=device)
+    k_pe = torch.empty(t, 1, 64, dtype=torch.bfloat16, device=device)
+    slots = torch.empty(t, dtype=torch.int64, device=device)
+
+    def load() -> None:
+        kv_c.copy_(torch.randn(t, 512, generator=gen, device=device) * 3)
+        kv_c[0] *= 2000  # past 448 * 6: the scale saturates
+        kv_c[1] = 0
+        kv_c[2] = -0.0
+        k_pe.copy_(torch.randn(t, 1, 64, generator=gen, device=device) * 100)
+        slots.copy_(torch.randperm(blocks * block_size, generator=gen, device=device)[:t])
+        slots[3] = -1
+
+    def write() -> None:
+        write_records(kv_c, k_pe, cache, slots, fmt, impl="triton")
+
+    load()
+    write()  # compiles the variant before any capture
+    replay = write
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            write()
+        replay = g.replay
+    mismatched = 0
+    for _ in range(rounds):
+        load()
+        cache.fill_(0xA5)
+        replay()
+        want = torch.full_like(cache, 0xA5).view(-1, nvfp4_record.RECORD)
+        keep = slots >= 0
+        want[slots[keep]] = nvfp4_record.encode(kv_c[keep].float(), k_pe[keep, 0].float())
+        mismatched += int((cache.view_as(want) != want).sum())
+    return {
+        "fmt": fmt,
+        "T": t,
+        "rounds": rounds,
+        "graph": graph,
+        "mismatched_bytes": mismatched,
+        "ok": mismatched == 0,
+    }
 
 
 def soak(fmt, cache, device, gen, replays, t=32, h=16, k=2048, bank=8) -> dict:
@@ -506,6 +558,13 @@ def markdown(report: dict) -> str:
             f"| {c.get('kind', 'eager')} | {c['fmt']} | {c['T']} | {c['H']} | {c['K']} | "
             f"{c['rel_err']:.2e} | {c['lse_err']:.2e} | {c['ok']} |"
         )
+    for w in report.get("writer", []):
+        how = "graph replay" if w["graph"] else "eager"
+        lines += [
+            "",
+            f"nvfp4_ds_mla writer ({how}, {w['rounds']} rounds x T {w['T']}): "
+            f"{w['mismatched_bytes']} bytes differ from the torch encoder",
+        ]
     if report.get("soak"):
         lines += ["", "| soak | fmt | replays | errors |", "|---|---|---|---|"]
         for s in report["soak"]:
@@ -547,6 +606,9 @@ def main() -> int:
             report["checks"].append(
                 dcp_check(fmt, device, gen, t=8, k=40, graph=False, rounds=1, **shape)
             )
+        report["writer"] = [
+            writer_check(device, gen, t=8, blocks=2, block_size=16, rounds=1, graph=False)
+        ]
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --smoke", file=sys.stderr)
@@ -562,6 +624,9 @@ def main() -> int:
             g = graph_replay_check(fmt, cache, device, gen)
             report["checks"].append({"kind": "graph", **g})
             print(report["checks"][-1], flush=True)
+            if FORMAT[fmt].reader == "nvfp4":  # its writer is ours too (Triton)
+                report["writer"] = [writer_check(device, gen)]
+                print(report["writer"][-1], flush=True)
             for shape in DCP_GPU if fmt == "fp8_ds_mla" else DCP_GPU[:1]:
                 report["checks"].append(dcp_check(fmt, device, gen, **shape))
                 print(report["checks"][-1], flush=True)
@@ -575,6 +640,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     report["seconds"] = time.perf_counter() - started
     ok = all(c["ok"] for c in report["checks"]) and all(s["ok"] for s in report["soak"])
+    ok = ok and all(w["ok"] for w in report.get("writer", []))
     report["ok"] = ok
     text = markdown(report)
     print(text)

@@ -262,3 +262,49 @@ def test_writer_compiles_for_gpu_targets_without_fp4_or_fp8_instructions():
     assert_fits(report)
     assert not any(r["fp4_or_fp8_ptx"] for r in report)
     assert all(r["div_rn"] for r in report)
+
+
+def _element_bound(x: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """What e2m1 x sf can be off by at each value, from the step alone: half a step (0.5,
+    1, 2 times sf below 2, 4, 6 sf) plus what saturation at 6 sf clips."""
+    mag = (x / sf).abs()
+    half = torch.where(mag < 2, 0.25, torch.where(mag < 4, 0.5, 1.0))
+    return (half + (mag - 6).clamp(min=0)) * sf
+
+
+def test_attention_output_error_within_the_bound_from_e2m1s_step():
+    """Sparse attention over nvfp4 records (fp32 reference, exact decode) against fp32
+    attention over the unquantized rows. Worst case per output element, from the step:
+    the values move by <= E_v (``_element_bound``), every logit by <= D = scale * sum |q|
+    x (E_kv, and e4m3's half ulp 2**-4 |k_pe| or 2**-10 for the RoPE), so every softmax
+    weight by a factor within e^(+-2D): ``|out' - out| <= max_j E_v[j] + (e^(2D) - 1)
+    sum_j w_j |v_j|`` (plus fp32's own 1e-5 relative). The measured error must sit inside,
+    and the bound must not be vacuous (the worst measured / bound ratio is reported)."""
+    gen = torch.Generator().manual_seed(3)
+    t, h, k, n = 3, 4, 40, 64
+    kv_c, k_pe = torch.randn(n, 512, generator=gen), torch.randn(n, 64, generator=gen)
+    cache = nvfp4_record.encode(kv_c, k_pe).view(4, 16, 352)
+    q = torch.randn(t, h, 576, generator=gen) * 0.3
+    idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]).int()
+    scale = 576**-0.5
+    out_q, _ = sparse_mla_reference(q, cache, idx, scale, kv_format=FMT)
+    rows_c, rows_pe = kv_c[idx.long()], k_pe[idx.long()]  # [t, k, *]
+    s = torch.einsum("thd,tkd->thk", q.double(), torch.cat([rows_c, rows_pe], -1).double())
+    w = torch.softmax(s * scale, -1)
+    out = torch.einsum("thk,tkd->thd", w, rows_c.double())
+    sf = nvfp4_record.block_scales(kv_c).repeat_interleave(16, dim=1)
+    e_kv = _element_bound(kv_c, sf)[idx.long()].double()  # [t, k, 512]
+    e_pe = torch.maximum(k_pe.abs() * 2.0**-4, torch.tensor(2.0**-10))[idx.long()].double()
+    d = scale * (
+        torch.einsum("thd,tkd->thk", q[..., :512].double().abs(), e_kv)
+        + torch.einsum("thd,tkd->thk", q[..., 512:].double().abs(), e_pe)
+    ).amax(-1)  # [t, h]
+    grow = torch.expm1(2 * d)[..., None]
+    bound = e_kv.amax(1)[:, None, :] + grow * torch.einsum("thk,tkd->thd", w, rows_c.abs().double())
+    bound = bound + 1e-5 * out.abs() + 1e-6
+    err = (out_q.double() - out).abs()
+    assert (err <= bound).all()
+    ratio = (err / bound).max().item()
+    rel = (err.norm() / out.norm()).item()
+    print(f"\nnvfp4 attention: worst error / bound {ratio:.3f}, relative error {rel:.3e}")
+    assert ratio > 1e-3  # the bound is not vacuous at this size

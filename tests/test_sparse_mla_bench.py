@@ -12,4 +12,5 @@ def test_sparse_mla_bench_smoke(tmp_path):
     report = run_smoke("sparse_mla.py", out)
     assert report["ok"] and report["checks"] and all(c["ok"] for c in report["checks"])
     assert {c["fmt"] for c in report["checks"]} == set(KV_FORMATS)
+    assert [w["mismatched_bytes"] for w in report["writer"]] == [0]  # the nvfp4 writer
     assert out.with_suffix(".md").read_text().startswith("# Sparse MLA")

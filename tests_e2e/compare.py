@@ -92,11 +92,19 @@ def assert_dense_match(got: list[dict], want: list[dict]) -> Comparison:
     return c
 
 
-def assert_sparse_match(got: list[dict], want: list[dict]) -> Comparison:
+# nvfp4_ds_mla records: the same count of flipped decisions, but a flipped latent element
+# moves by an e2m1 step, up to 2 sf = amax / 3 of its 16-block, where an e4m3 flip moves
+# by at most 32 / 448 = amax / 14 of its group: each flip's effect scales by 14 / 3.
+NVFP4_FLIP_SCALE = 14 / 3
+
+
+def assert_sparse_match(got: list[dict], want: list[dict], scale: float = 1.0) -> Comparison:
     """Greedy tokens identical; worst log-probability difference within SPARSE_LOGPROB_TOL,
-    the median within SPARSE_MEDIAN_TOL."""
+    the median within SPARSE_MEDIAN_TOL (both times ``scale``: NVFP4_FLIP_SCALE for nvfp4
+    records)."""
     c = compare(got, want)
+    worst, median = SPARSE_LOGPROB_TOL * scale, SPARSE_MEDIAN_TOL * scale
     assert c.same_tokens, c.first_token_divergence()
-    assert c.worst <= SPARSE_LOGPROB_TOL, f"{c.worst_at}: {c.worst:.2e} > {SPARSE_LOGPROB_TOL}"
-    assert c.median <= SPARSE_MEDIAN_TOL, f"median {c.median:.2e} > {SPARSE_MEDIAN_TOL}"
+    assert c.worst <= worst, f"{c.worst_at}: {c.worst:.2e} > {worst:.2e}"
+    assert c.median <= median, f"median {c.median:.2e} > {median:.2e}"
     return c

@@ -4,11 +4,13 @@ shape cut to this CPU, TP 2 / DCP 2 / MTP 3, both engines side by side.
 
 - TP 1 against transformers' DeepseekV32 emulating vLLM's indexer and the nvfp4 records
   (``dsa_reference`` with the records' own codec): greedy tokens identical, top-5
-  log-probabilities within ``compare.SPARSE_LOGPROB_TOL`` (its error model: both sides
-  fp32, the same quantization decisions but where fp32 noise lands on a boundary), the
+  log-probabilities within ``compare.SPARSE_LOGPROB_TOL`` scaled by ``NVFP4_FLIP_SCALE``
+  (its error model: both sides fp32, the same quantization decisions but where fp32 noise
+  lands on a boundary; an e2m1 flip moves its element 14/3 times an e4m3 flip's most), the
   first checkpoint and after ``reload_weights`` of the second.
 - TP 2 / DCP 2 / MTP 3 against TP 1: greedy tokens identical (the issue's target), the
-  log-probabilities within the same tolerance (TP, DCP and speculation reorder fp32 sums).
+  log-probabilities within the same tolerance (TP, DCP and speculation reorder fp32 sums,
+  and so can flip the same decisions).
 - What nvfp4 costs against bf16 records, teacher-forced on the nvfp4 engine's own tokens
   (the bf16-emulating reference scored on them): the engine's top-5 log-probabilities
   against it, and the mean KL of the two references over the whole vocabulary. Reported
@@ -24,7 +26,7 @@ import math
 
 import pytest
 import torch
-from compare import assert_sparse_match, compare
+from compare import NVFP4_FLIP_SCALE, assert_sparse_match, compare
 from conftest import run_engine_jobs
 from dsa_reference import reference
 from engine_job import MAX_TOKENS
@@ -65,7 +67,7 @@ def nvfp4_reference(sparse_models, nvfp4_engines) -> dict:
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_tp1_matches_the_nvfp4_emulating_reference(nvfp4_engines, nvfp4_reference, phase):
-    assert_sparse_match(nvfp4_engines["tp1"][phase], nvfp4_reference[phase])
+    assert_sparse_match(nvfp4_engines["tp1"][phase], nvfp4_reference[phase], NVFP4_FLIP_SCALE)
 
 
 def test_served_with_our_writer_and_reader(nvfp4_engines):
@@ -89,7 +91,7 @@ def test_deployment_shape_gives_tp1s_greedy_tokens(nvfp4_engines):
     for phase in PHASES:
         got = [r["token_ids"] for r in report[phase]]
         assert got == [r["token_ids"] for r in want[phase]], phase
-        assert_sparse_match(report[phase], want[phase])
+        assert_sparse_match(report[phase], want[phase], NVFP4_FLIP_SCALE)
     states = report["states_first"]
     assert len(states) == 2
     for rank, state in enumerate(states):

@@ -122,7 +122,7 @@ def test_fused_write_is_vllms_otherwise(serving, serve, dtype, cache):
     original, calls = stand_in()
     fused = dsv32_nvfp4_write.make_fused_norm_rope(original)
     dsv32_nvfp4_write.serve(serve)
-    _, kwargs, mla = call(fused, dtype, cache)
+    _, _, mla = call(fused, dtype, cache)
     assert calls[-1]["mla_kv_cache"] is mla and calls[-1]["mla_kv_cache_dtype"] == dtype
 
 

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vllm_mla.geometry import PRESETS, GeometryError
+from vllm_mla.kv_capacity import DSA_INDEX_BYTES, capacity
 from vllm_mla.tools import tiny_glm5next
 from vllm_mla.tools.checkpoint import CheckpointError
 from vllm_mla.tools.plot import PlotError, check_plot, write_plot
@@ -154,6 +155,27 @@ def _parser() -> argparse.ArgumentParser:
         help="with --arch hy-v4: mean of the per-head attention-sink logits, std 1 (default 2)",
     )
     _soak_parser(sub)
+    c = sub.add_parser(
+        "kv-capacity",
+        help="KV bytes per token and tokens a per-rank budget holds, per record format",
+    )
+    c.add_argument("--preset", default="glm-5", help="model geometry (its layer count)")
+    c.add_argument("--layers", type=int, default=None, help="cached layers (default: preset's)")
+    c.add_argument("--budget-gib", type=float, default=20.0, help="KV cache per rank, GiB")
+    c.add_argument(
+        "--tp",
+        type=int,
+        default=4,
+        help="tensor parallel size (shown; MLA KV is replicated over TP)",
+    )
+    c.add_argument("--dcp", type=int, default=4, help="decode context parallel size")
+    c.add_argument(
+        "--index-bytes",
+        type=int,
+        default=DSA_INDEX_BYTES,
+        help=f"indexer key bytes per token and layer (DSA: {DSA_INDEX_BYTES}; 0: none)",
+    )
+    c.add_argument("--json", action="store_true", help="print the rows as JSON only")
     sub.add_parser(
         "check-vllm",
         help="each patch target looked up in the installed vLLM (any version): per feature, "
@@ -328,6 +350,38 @@ def _soak(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _kv_capacity(args: argparse.Namespace) -> int:
+    layers = args.layers or _preset(args.preset).num_layers
+    rows = capacity(layers, args.budget_gib, args.dcp, args.index_bytes)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+        return 0
+    table = Table(
+        title=f"{args.preset}: {layers} layers, TP {args.tp} / DCP {args.dcp}, "
+        f"{args.budget_gib:g} GiB of KV cache per rank, indexer {args.index_bytes} B"
+    )
+    for col in ("records", "B/token/layer", "tokens/GiB/layer", "B/token/rank", "context"):
+        table.add_column(col, justify="left" if col == "records" else "right")
+    base = rows[0].context_tokens
+    for r in rows:
+        table.add_row(
+            r.kv_format,
+            f"{r.record_bytes:,}",
+            f"{r.tokens_per_gib_layer:,}",
+            f"{r.bytes_per_token_rank:,.0f}",
+            f"{r.context_tokens:,} ({r.context_tokens / base:.2f}x)",
+        )
+    table.caption = "; ".join(f"{r.kv_format}: {r.summary}" for r in rows)
+    Console().print(table)
+    return 0
+
+
+def _preset(name: str):
+    if name not in PRESETS:
+        raise GeometryError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
 def _check_vllm(args: argparse.Namespace) -> int:
     """Exit 0 when every feature's targets are where the plugin expects them."""
     from vllm_mla.vllm import patches
@@ -362,6 +416,7 @@ COMMANDS = {
     "soak": _soak,
     "qualify": _qualify,
     "check-vllm": _check_vllm,
+    "kv-capacity": _kv_capacity,
 }
 
 
