@@ -274,6 +274,10 @@ def _render(report: dict, console: Console) -> None:
         console.print(f"  {mark:>18}  {name} = {value}")
     for note in report["notes"]:
         console.print(f"  note: {note}")
+    records = ", ".join(
+        f"{r['format']} {r['bytes_per_token_layer']:,}" for r in report.get("kv_records", [])
+    )
+    console.print(f"KV cache per token and layer: {records} bytes (vllm-mla kv-capacity: a pool)")
 
 
 def _chunk(report: dict) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vllm_mla.geometry import MLAGeometry, RankGeometry, from_hf_config, preset
+from vllm_mla.kv_capacity import capacity
 from vllm_mla.memory import AllocationTrace
 from vllm_mla.tools.checkpoint import checkpoint_format, load_kv_b_proj
 from vllm_mla.tools.harness import (
@@ -306,6 +307,16 @@ def run_qualify(
             "padded_heads_zero": padding["padded_heads_zero"],
         },
         "release_requested": lifecycle.release_source,
+        # what one token of context costs in KV cache on this rank, per record format
+        # (DCP 1, no indexer; ``vllm-mla kv-capacity`` for a pool at a budget)
+        "kv_records": [
+            {
+                "format": r.kv_format,
+                "bytes_per_token_layer": r.record_bytes,
+                "bytes_per_token": int(r.bytes_per_token_rank),
+            }
+            for r in capacity(len(per_layer), 1.0, dcp=1, index_bytes=0)
+        ],
         "notes": _notes(cfg, reports[0].action),
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
