@@ -149,8 +149,21 @@ def run_engine_jobs(
 
 
 KV_DTYPES = {"bfloat16": "bf16", "fp8": "fp8_ds_mla"}  # requested -> record format served
+# nvfp4_ds_mla records: their own engines (test_nvfp4_engine, the topology's CI row)
+NVFP4 = "nvfp4_ds_mla"
+RECORDS = {**KV_DTYPES, NVFP4: NVFP4}
 # the bfloat16 sparse engines also force safe mode: every bmm of the pair through our op
-SPARSE_ENV = {"bfloat16": {"VLLM_MLA_SAFE_BMM": "always"}, "fp8": {"VLLM_MLA_SAFE_BMM": "never"}}
+SPARSE_ENV = {
+    "bfloat16": {"VLLM_MLA_SAFE_BMM": "always"},
+    "fp8": {"VLLM_MLA_SAFE_BMM": "never"},
+    NVFP4: {"VLLM_MLA_SAFE_BMM": "never"},
+}
+# the seeds' nvfp4 deployment cut to this CPU (TP 4 / DCP 4 / MTP 3 runs in the topology)
+NVFP4_DEPLOYMENT = {
+    "tensor_parallel_size": 2,
+    "decode_context_parallel_size": 2,
+    "speculative_config": {"method": "mtp", "num_speculative_tokens": 3},
+}
 
 
 def sparse_jobs(models: dict[str, Path], engine: dict | None = None) -> dict:
@@ -167,6 +180,19 @@ def sparse_jobs(models: dict[str, Path], engine: dict | None = None) -> dict:
 def sparse_engine(sparse_models, tmp_path_factory) -> dict[str, dict]:
     """{"bfloat16"|"fp8": the tiny DSA model through B12X_MLA_SPARSE, TP 1}."""
     return run_engine_jobs(sparse_jobs(sparse_models), tmp_path_factory.mktemp("sparse-engine"))
+
+
+@pytest.fixture(scope="session")
+def nvfp4_engines(mtp_models, tmp_path_factory) -> dict[str, dict]:
+    """{"tp1", "deployment": the tiny DSA model (one MTP layer) with nvfp4_ds_mla records
+    at TP 1 and at ``NVFP4_DEPLOYMENT``}, run side by side."""
+    args = [str(mtp_models["first"]), str(mtp_models["second"]), "--sparse", NVFP4]
+    env = {"VLLM_MLA": "1", **SPARSE_ENV[NVFP4]}
+    jobs = {
+        "tp1": (args, env),
+        "deployment": ([*args, "--engine", json.dumps(NVFP4_DEPLOYMENT)], env),
+    }
+    return run_engine_jobs(jobs, tmp_path_factory.mktemp("nvfp4"), timeout_s=600)
 
 
 @pytest.fixture(scope="session")

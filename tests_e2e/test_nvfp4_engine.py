@@ -21,36 +21,18 @@ shape cut to this CPU, TP 2 / DCP 2 / MTP 3, both engines side by side.
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 from compare import NVFP4_FLIP_SCALE, assert_sparse_match, compare
-from conftest import run_engine_jobs
+from conftest import NVFP4
 from dsa_reference import reference
 from engine_job import MAX_TOKENS
 
-FMT = "nvfp4_ds_mla"
-ENV = {"VLLM_MLA": "1", "VLLM_MLA_SAFE_BMM": "never"}
-DEPLOYMENT = {
-    "tensor_parallel_size": 2,
-    "decode_context_parallel_size": 2,
-    "speculative_config": {"method": "mtp", "num_speculative_tokens": 3},
-}
+FMT = NVFP4
 PHASES = {"first": "first", "reloaded": "second"}
 NVFP4_FIGURES: dict[str, float] = {}
-
-
-@pytest.fixture(scope="session")
-def nvfp4_engines(mtp_models, tmp_path_factory) -> dict[str, dict]:
-    """{"tp1", "deployment": the engine job's report}, run side by side."""
-    args = [str(mtp_models["first"]), str(mtp_models["second"]), "--sparse", FMT]
-    jobs = {
-        "tp1": (args, ENV),
-        "deployment": ([*args, "--engine", json.dumps(DEPLOYMENT)], ENV),
-    }
-    return run_engine_jobs(jobs, tmp_path_factory.mktemp("nvfp4"), timeout_s=600)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
 """The topology matrix: the tiny DSA model (one MTP layer) through B12X_MLA_SPARSE in
 multi-process vLLM CPU engines at TP {1, 2, 3 padded, 4} x DCP {1, 2, 4 where TP allows it;
 3 at TP 3} x MTP {0, 3} (and MTP 1 at TP 2 / DCP 2), DCP interleave 1, 16 and 64 (a page),
-both record formats, each against TP 1 / DCP 1 / MTP 0 (``sparse_engine``: the same target weights).
+both record formats (and nvfp4_ds_mla records at the seeds' TP 4 / DCP 4 / MTP 3), each
+against TP 1 / DCP 1 / MTP 0 with the same records (``sparse_engine``, ``nvfp4_engines``:
+the same target weights).
 
 Per row and record format: greedy tokens identical and top-5 log-probabilities within
 ``compare.SPARSE_LOGPROB_TOL`` (its error model: TP, DCP and speculation change only the
@@ -27,8 +29,8 @@ import os
 from dataclasses import dataclass
 
 import pytest
-from compare import assert_dense_match, assert_sparse_match
-from conftest import KV_DTYPES, RUNS, SPARSE_ENV, TOPOLOGY_TABLE, run_engine_jobs
+from compare import NVFP4_FLIP_SCALE, assert_dense_match, assert_sparse_match
+from conftest import KV_DTYPES, NVFP4, RECORDS, RUNS, SPARSE_ENV, TOPOLOGY_TABLE, run_engine_jobs
 from engine_job import MAX_TOKENS
 
 from vllm_mla import envs
@@ -70,7 +72,7 @@ class Row:
 
 def _rows() -> list[Row]:
     ci = {
-        (4, 4, MTP_K, 1): tuple(KV_DTYPES),  # the seeds' production shape
+        (4, 4, MTP_K, 1): (*KV_DTYPES, NVFP4),  # the seeds' production shape, their records
         (3, 3, MTP_K, 1): tuple(KV_DTYPES),  # padded TP, DCP 3, MTP 3
         (3, 1, 0, 1): ("fp8",),
         (2, 2, MTP_K, 16): ("bfloat16",),
@@ -129,17 +131,19 @@ def test_vllm_mla_tp_pad_is_off_by_default():
 
 
 @pytest.mark.parametrize(("row", "kv"), CASES, ids=[f"{r.id}-{kv}" for r, kv in CASES])
-def test_row_serves_what_tp1_serves(topology, sparse_engine, row, kv):
+def test_row_serves_what_tp1_serves(topology, sparse_engine, request, row, kv):
     report = topology(row)[kv]
-    want = sparse_engine[kv]
+    # nvfp4 records: against TP 1 with nvfp4 records, at the tolerance scaled for e2m1 flips
+    nvfp4 = kv == NVFP4
+    want = request.getfixturevalue("nvfp4_engines")["tp1"] if nvfp4 else sparse_engine[kv]
     errors = [line for line in report["log"].splitlines() if " ERROR " in line]
     states = report["states_first"]
     assert len(states) == row.tp and not errors, errors[:5]
     for phase in PHASES:
-        match = assert_sparse_match(report[phase], want[phase])
+        match = assert_sparse_match(report[phase], want[phase], NVFP4_FLIP_SCALE if nvfp4 else 1)
     counters = report.get("spec_decode_first", {})
     for rank, state in enumerate(states):
-        assert state["backend"] == "B12X_MLA_SPARSE" and state["kv_format"] == KV_DTYPES[kv]
+        assert state["backend"] == "B12X_MLA_SPARSE" and state["kv_format"] == RECORDS[kv]
         sparse = state["telemetry"]["sparse"]
         if row.dcp > 1:  # DCP rank = TP rank % DCP (vLLM's grouping)
             assert sparse.get("indexer:cpu:dcp", 0) > 0, sparse
@@ -166,7 +170,7 @@ def test_row_serves_what_tp1_serves(topology, sparse_engine, row, kv):
             "dcp": row.dcp,
             "mtp": row.mtp,
             "interleave": row.interleave,
-            "records": KV_DTYPES[kv],
+            "records": RECORDS[kv],
             "result": f"tokens = TP 1's; worst {match.worst:.1e} nats; errors 0",
             "accepted": (
                 f"{counters['num_accepted_tokens']:.0f}/{counters['num_draft_tokens']:.0f}"
