@@ -156,7 +156,14 @@ def test_row_serves_what_tp1_serves(topology, sparse_engine, request, row, kv):
         assert all(r["source"] == 0 and r["absorbed"] > 0 for r in state["ledger"].values())
     if row.mtp:
         assert counters["num_draft_tokens"] == row.mtp * counters["num_drafts"] > 0
-        assert counters["num_drafts"] == 3 * (MAX_TOKENS - 1)  # 3 requests, every step
+        # 3 requests, a draft each decode step; an accepted draft saves a step (the last
+        # step may accept more than the request still needed)
+        drafts, accepted, needed = (
+            counters["num_drafts"],
+            counters["num_accepted_tokens"],
+            3 * (MAX_TOKENS - 1),
+        )
+        assert drafts <= needed <= drafts + accepted
     if row.padded:
         for phase in PHASES:
             padded = report[f"padded_{phase}"]

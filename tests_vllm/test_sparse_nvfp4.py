@@ -143,3 +143,38 @@ def test_the_patch_targets_vllms_fused_norm_rope():
     params = patch.params_for(installed_minor())
     assert tuple(inspect.signature(original).parameters) == params
     assert getattr(target, "__wrapped__", None) is not None, "not applied on import"
+
+
+def _config(backend: str | None):
+    from vllm.config import AttentionConfig, CacheConfig, ParallelConfig, VllmConfig
+
+    return VllmConfig(
+        cache_config=CacheConfig(cache_dtype=FMT),
+        parallel_config=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
+        attention_config=AttentionConfig(backend=backend),
+    )
+
+
+def test_vllm_034_accepts_nvfp4_with_dcp_for_this_backend_only():
+    """vLLM 0.34 refuses nvfp4_ds_mla at DCP > 1 in a pydantic validator (a chunked prefill
+    gather only FLASHMLA_SPARSE has); the patch lets B12X_MLA_SPARSE through and keeps the
+    refusal for every other backend; reverting restores it."""
+    from vllm_mla.vllm import patches
+
+    patch = next(p for p in PATCHES if p.name == "nvfp4_dcp_validator")
+    if installed_minor() not in patch.versions:
+        from vllm.config import VllmConfig
+
+        assert not hasattr(VllmConfig, "validate_nvfp4_kv_cache_with_mla")  # nothing to lift
+        return
+    plugin.register()
+    _config("B12X_MLA_SPARSE")  # accepted
+    with pytest.raises(ValueError, match="nvfp4_ds_mla KV cache is not supported with decode"):
+        _config("FLASHMLA_SPARSE")
+    patches.revert()
+    try:
+        with pytest.raises(ValueError, match="not supported with decode context parallelism"):
+            _config("B12X_MLA_SPARSE")  # control: vLLM's own refusal without the patch
+    finally:
+        plugin.reset()
+        plugin.register()

@@ -110,6 +110,13 @@ module is imported)
     why: the first step after the wake-up is the last moment before garbage is served
     removal: with ``wake_check_sleep``
 
+``nvfp4_dcp_validator`` (feature ``sparse``)
+    versions: 0.34
+    target: ``vllm.config.vllm.VllmConfig.validate_nvfp4_kv_cache_with_mla``
+    why: it refuses nvfp4_ds_mla with DCP > 1 for every backend, for a chunked-context
+    prefill gather only FLASHMLA_SPARSE has
+    removal: when upstream scopes the refusal to the backends with that prefill gather
+
 ``dsv32_nvfp4_write`` (feature ``sparse``, applied when its module is imported)
     versions: 0.32, 0.33, 0.34; on 0.32 the target's parameters are (positions, q_c,
     q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w, kv_rms_eps, k_pe, k_rope_cos_sin_cache,
@@ -201,6 +208,9 @@ class Patch:
     # versions where vLLM does what the patch did: ((minor, what vLLM does), ...); the
     # patch is not applied there, the rest of its feature is
     upstream_at: tuple[tuple[str, str], ...] = ()
+    # the target is a pydantic model validator: its compiled schema holds the function,
+    # so installing (and reverting) also rebinds it there and rebuilds the schema
+    pydantic_validator: bool = False
 
     def params_for(self, minor: str | None) -> tuple[str, ...]:
         """The target's parameters in vLLM ``minor`` (the default where none is listed)."""
@@ -478,6 +488,21 @@ PATCHES: tuple[Patch, ...] = (
         on_import=True,
     ),
     Patch(
+        name="nvfp4_dcp_validator",
+        feature="sparse",
+        module="vllm.config.vllm",
+        qualname="VllmConfig.validate_nvfp4_kv_cache_with_mla",
+        params=("self",),
+        versions=("0.34",),
+        why="it refuses nvfp4_ds_mla with DCP > 1 for every backend, for a chunked-context "
+        "prefill gather only FLASHMLA_SPARSE has",
+        how="with B12X_MLA_SPARSE selected an nvfp4_ds_mla cache is accepted; every other "
+        "config goes to the original (the validator rebound in pydantic's schema)",
+        removal="when upstream scopes the refusal to the backends with that prefill gather",
+        factory="vllm_mla.vllm.patches.nvfp4_dcp_validator:make_validate",
+        pydantic_validator=True,
+    ),
+    Patch(
         name="dsv32_nvfp4_write",
         feature="sparse",
         module="vllm.models.deepseek_v32.attention",
@@ -574,7 +599,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-_applied: dict[str, tuple[object, str, Callable]] = {}
+_applied: dict[str, tuple[object, str, Callable, bool]] = {}
 _warned_version = False
 
 
@@ -737,7 +762,21 @@ def _install(patch: Patch, owner: object, attr: str, current: object) -> None:
     if isinstance(current, classmethod):
         replacement = classmethod(replacement)
     setattr(owner, attr, replacement)
-    _applied[patch.name] = (owner, attr, current)
+    if patch.pydantic_validator:
+        _rebind_validator(owner, attr, replacement)
+    _applied[patch.name] = (owner, attr, current, patch.pydantic_validator)
+
+
+def _rebind_validator(owner: type, attr: str, func: Callable) -> None:
+    """Point pydantic's decorator entry ``attr`` of ``owner`` at ``func`` and rebuild the
+    dataclass schema, so validation calls ``func`` (the schema captured the old one)."""
+    import dataclasses
+
+    from pydantic.dataclasses import rebuild_dataclass
+
+    validators = owner.__pydantic_decorators__.model_validators  # type: ignore[attr-defined]
+    validators[attr] = dataclasses.replace(validators[attr], func=func)
+    rebuild_dataclass(owner, force=True)  # type: ignore[arg-type]
 
 
 def _apply_on_import(patch: Patch, module: object) -> None:
@@ -753,7 +792,9 @@ def _apply_on_import(patch: Patch, module: object) -> None:
 
 def revert() -> None:
     """Put every original back (tests, or a process that wants stock vLLM again)."""
-    for owner, attr, original in _applied.values():
+    for owner, attr, original, validator in _applied.values():
         setattr(owner, attr, original)
+        if validator:
+            _rebind_validator(owner, attr, _function(original))  # type: ignore[arg-type]
     _applied.clear()
     on_import.cancel({p.module for p in PATCHES if p.on_import})  # patches not yet applied
