@@ -111,7 +111,8 @@ module is imported)
     removal: with ``wake_check_sleep``
 
 ``nvfp4_dcp_validator`` (feature ``sparse``)
-    versions: 0.34
+    versions: 0.32, 0.33, 0.34; not applied on 0.32: its validator has no DCP refusal; not
+    applied on 0.33: its validator has no DCP refusal
     target: ``vllm.config.vllm.VllmConfig.validate_nvfp4_kv_cache_with_mla``
     why: it refuses nvfp4_ds_mla with DCP > 1 for every backend, for a chunked-context
     prefill gather only FLASHMLA_SPARSE has
@@ -493,7 +494,11 @@ PATCHES: tuple[Patch, ...] = (
         module="vllm.config.vllm",
         qualname="VllmConfig.validate_nvfp4_kv_cache_with_mla",
         params=("self",),
-        versions=("0.34",),
+        versions=SUPPORTED_VLLM,
+        upstream_at=(
+            ("0.32", "its validator has no DCP refusal"),
+            ("0.33", "its validator has no DCP refusal"),
+        ),
         why="it refuses nvfp4_ds_mla with DCP > 1 for every backend, for a chunked-context "
         "prefill gather only FLASHMLA_SPARSE has",
         how="with B12X_MLA_SPARSE selected an nvfp4_ds_mla cache is accepted; every other "
