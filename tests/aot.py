@@ -12,10 +12,30 @@ SHARED_LIMIT = 99 * 1024  # SM89 and SM12x: shared memory per block
 MAX_STACK = 16  # bytes of local frame tolerated (8 seen on sm90/sm120 without spills)
 
 
+def cubin_usage(compiled) -> str:
+    """cuobjdump's resource usage (registers, stack) of a compiled kernel's cubin ("" when
+    Triton ships no cuobjdump); the scripts ``compile_report`` runs import it."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        args = [tool, "--dump-resource-usage", f.name]
+        return subprocess.run(args, capture_output=True, text=True).stdout
+
+
 def compile_report(script: str, cases: list, timeout: int = 480) -> list[dict]:
     """Run ``script`` (prints one JSON list of per-case reports with ``shared`` and
-    cuobjdump's ``usage``) outside the interpreter; returns that list."""
+    cuobjdump's ``usage``: ``from aot import cubin_usage``) outside the interpreter;
+    returns that list."""
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (here, env.get("PYTHONPATH"))))
     result = subprocess.run(
         [sys.executable, "-c", script, json.dumps(cases)],
         capture_output=True,

@@ -224,13 +224,13 @@ def test_custom_op_schema_and_fake():
 
 
 AOT_WRITER = r"""
-import json, os, subprocess, sys, tempfile
+import json, sys
+from aot import cubin_usage
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_mla.ops.sparse_mla import record_write_kernel as k
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 report = []
 for arch, dtype, rope in json.loads(sys.argv[1]):
     sig = {"kvc_ptr": f"*{dtype}", "kpe_ptr": f"*{dtype}", "cache_ptr": "*u8",
@@ -239,12 +239,7 @@ for arch, dtype, rope in json.loads(sys.argv[1]):
     ck = triton.compile(ASTSource(k._nvfp4_write_kernel, sig, dict(ROPE=rope, BLOCKS=32)),
                         target=GPUTarget("cuda", arch, 32), options=dict(num_warps=1))
     ptx = ck.asm["ptx"]
-    usage = ""
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(ck.asm["cubin"]); f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True).stdout
+    usage = cubin_usage(ck)
     report.append({"arch": arch, "shared": ck.metadata.shared, "usage": usage,
                    "fp4_or_fp8_ptx": any(s in ptx for s in ("e2m1", "e4m3", "e5m2")),
                    "div_rn": "div.rn.f32" in ptx})

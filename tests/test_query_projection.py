@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_mla import envs
 from vllm_mla.ops import capture
 from vllm_mla.ops.base import MXFP8Weight
 from vllm_mla.ops.query_projection import (
@@ -14,7 +15,6 @@ from vllm_mla.ops.query_projection import (
     prewarm_query_projection,
     staged_query_projection,
 )
-from vllm_mla.ops.query_projection import api as qp_api
 from vllm_mla.ops.query_projection import reference as qp_reference
 from vllm_mla.quant import mxfp8
 
@@ -210,7 +210,7 @@ def test_gated_shape_runs_fused(monkeypatch):
 
 def test_no_triton_device_runs_staged(monkeypatch):
     calls = count_paths(monkeypatch)
-    monkeypatch.setattr(qp_api.envs, "triton_interpret", lambda: False)
+    monkeypatch.setattr(envs, "triton_interpret", lambda: False)
     run(4, 2, 128)
     assert calls == {"fused": 0, "staged": 2}
 

@@ -330,13 +330,13 @@ def test_index_topk_captures_and_replays_in_a_cuda_graph():
 # ---------------------------------------------------------------- GPU targets
 
 AOT_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
+import json, sys
+from aot import cubin_usage
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_mla.ops.sparse_indexer import triton_kernels as k
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 ALIGNED = {"block_size", "s_kt", "s_page", "s_qt", "s_qh", "s_wt", "s_bt", "s_ot"}
 report = []
 for arch, kernel, q_fp8, block_h in json.loads(sys.argv[1]):
@@ -358,12 +358,7 @@ for arch, kernel, q_fp8, block_h in json.loads(sys.argv[1]):
     sig.update({c: "constexpr" for c in const})
     ck = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                         options=dict(num_warps=warps, num_stages=stages))
-    usage = ""
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(ck.asm["cubin"]); f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True).stdout
+    usage = cubin_usage(ck)
     report.append({"arch": arch, "kernel": kernel, "q_fp8": q_fp8, "block_h": block_h,
                    "shared": ck.metadata.shared, "usage": usage})
 print(json.dumps(report))

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from vllm_mla import envs
 from vllm_mla.ops import sparse_mla as sm
 from vllm_mla.ops.sparse_mla import (
     KV_FORMATS,
@@ -430,7 +431,7 @@ def test_bad_input_names_the_argument(change, exc, match):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(dispatch.envs, "triton_interpret", lambda: False)
+    monkeypatch.setattr(envs, "triton_interpret", lambda: False)
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
         sparse_mla_forward(**good_args(), impl="triton")
 
@@ -569,7 +570,8 @@ def test_custom_op_passes_opcheck(impl):
 
 
 AOT_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
+import json, sys
+from aot import cubin_usage
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -580,7 +582,6 @@ STRIDES = ["s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t", "s_idx", 
            "s_o_h", "s_lse_t"]
 ALIGNED = {"s_bt", "H", "block_size", "s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_kv_b", "s_kv_t",
            "s_o_t", "s_o_h"}
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 report = []
 for arch, fmt, direct, heads, *extra in json.loads(sys.argv[1]):
     dcp, sink, rope = extra + [0, 0, 64][len(extra):]
@@ -606,12 +607,7 @@ for arch, fmt, direct, heads, *extra in json.loads(sys.argv[1]):
     ck = triton.compile(ASTSource(k._sparse_mla_split_kernel, sig, const, attrs),
                         target=GPUTarget("cuda", arch, 32),
                         options=dict(num_warps=k.NUM_WARPS, num_stages=stages))
-    usage = ""
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(ck.asm["cubin"]); f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True).stdout
+    usage = cubin_usage(ck)
     report.append({"arch": arch, "fmt": fmt, "direct": direct, "block_h": bh,
                    "dcp": const["DCP"], "sink": const["SINK"], "rope": rope, "stages": stages,
                    "shared": ck.metadata.shared, "usage": usage})

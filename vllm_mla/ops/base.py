@@ -1,5 +1,6 @@
-"""What every op shares: the MXFP8 weight pair, whether Triton is importable, and the one
-error for a kernel variant that would compile inside CUDA-graph capture."""
+"""What every op shares: the MXFP8 weight pair, whether Triton is importable and can run
+on a device, and the one error for a kernel variant that would compile inside CUDA-graph
+capture."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from typing import NamedTuple
 import torch
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether a Triton kernel can launch on ``device``'s tensors: a CUDA device, or CPU
+    tensors under ``TRITON_INTERPRET=1`` (the interpreter)."""
+    from vllm_mla import envs
+
+    cpu = device.type == "cpu" and envs.triton_interpret()
+    return TRITON_AVAILABLE and (device.type == "cuda" or cpu)
 
 
 class KernelNotPrewarmed(RuntimeError):

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_mla import envs
 from vllm_mla.formats import LATENT, ROPE
 from vllm_mla.ops import overlap
-from vllm_mla.ops.base import TRITON_AVAILABLE, KernelNotPrewarmed, MXFP8Weight
+from vllm_mla.ops.base import TRITON_AVAILABLE, KernelNotPrewarmed, MXFP8Weight, triton_runs_on
 from vllm_mla.quant import mxfp8
 
 FUSED_HEADS = range(1, 129)
@@ -155,7 +154,7 @@ def can_fuse_query_projection(
 ) -> bool:
     """True when the fused kernel serves this shape on this device (else: staged path)."""
     device = torch.device(device)
-    on_device = device.type == "cuda" or (device.type == "cpu" and envs.triton_interpret())
+    on_device = triton_runs_on(device)
     if not (TRITON_AVAILABLE and on_device):
         return False
     # Native e4m3 conversion (round to nearest even) needs SM89 or newer.

@@ -25,8 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_mla import envs
-from vllm_mla.ops.base import TRITON_AVAILABLE
+from vllm_mla.ops.base import TRITON_AVAILABLE, triton_runs_on
 from vllm_mla.ops.sparse_mla.formats import SparseMLAError
 from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
 
@@ -97,7 +96,7 @@ def resolve(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return select_impl(device)
     if impl == "triton":
-        on_device = device.type == "cuda" or (device.type == "cpu" and envs.triton_interpret())
+        on_device = triton_runs_on(device)
         if not (TRITON_AVAILABLE and on_device):
             raise NotImplementedError(
                 f"impl='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 for CPU "

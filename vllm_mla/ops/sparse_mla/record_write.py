@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mla import envs
-from vllm_mla.ops.base import TRITON_AVAILABLE
+from vllm_mla.ops.base import TRITON_AVAILABLE, triton_runs_on
 from vllm_mla.ops.sparse_mla.formats import (
     LATENT,
     ROPES,
@@ -90,7 +89,7 @@ def resolve(impl: str, kv_format: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if usable and device.type == "cuda" else "reference"
     if impl == "triton":
-        on_device = device.type == "cuda" or (device.type == "cpu" and envs.triton_interpret())
+        on_device = triton_runs_on(device)
         if not (usable and on_device):
             raise NotImplementedError(
                 f"impl='triton' writes {TRITON_WRITERS} on a CUDA device (or CPU tensors "
