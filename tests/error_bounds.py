@@ -45,7 +45,8 @@ def exact_dots(q, keys, cache, kv_format) -> bool:
     if float(magnitude.max()) * 2.0 ** (gq + gk) > 2.0**24:
         return False
     if kv_format == "fp8_ds_mla":
-        scales = cache[..., LATENT : LATENT + 16].contiguous().view(torch.float32)
+        # a copy: a one-row slice is already contiguous, at any (unaligned) offset
+        scales = cache[..., LATENT : LATENT + 16].clone().view(torch.float32)
         return bool((torch.frexp(scales).mantissa.abs() == 0.5).all())
     return True
 

@@ -147,9 +147,11 @@ def _unpack_fp8(records: torch.Tensor, rope: int) -> tuple[torch.Tensor, torch.T
     lead = records.shape[:-1]
     rec = records.contiguous()
     e4m3 = rec[..., :FP8_SCALES_OFFSET].view(torch.float8_e4m3fn).float()
-    scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].view(torch.float32)
+    # copies before the wider views: a record view may start at any byte offset
+    scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].clone().view(torch.float32)
     kv_c = e4m3.reshape(*lead, -1, SCALE_GROUP) * scale[..., None]
-    k_pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].view(torch.bfloat16).float()
+    pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].clone()
+    k_pe = pe.view(torch.bfloat16).float()
     return kv_c.reshape(*lead, LATENT), k_pe
 
 
