@@ -95,7 +95,8 @@ WIRING = textwrap.dedent(
     if not result.get("sparse-cpu", "").startswith("applied"):
         print("SKIP", result.get("sparse-cpu")); raise SystemExit(0)
     assert not any(m.startswith("vllm.models.glm5next") for m in sys.modules)
-    assert set(on_import.pending()) == {
+    glm = {m for m in on_import.pending() if m.startswith("vllm.models.glm5next")}
+    assert glm == {
         "vllm.models.glm5next.common.attention",
         "vllm.models.glm5next.nvidia.sparse_indexer",
     }, on_import.pending()
@@ -104,7 +105,7 @@ WIRING = textwrap.dedent(
     from vllm.models.glm5next.common.attention import Indexer
     assert op_registry_oot["SparseAttnIndexerKpool"].__qualname__ == "CLASS_NAME"
     assert getattr(Indexer.__init__, "__vllm_mla_patch__") == "cpu_glm5next_indexer_weights"
-    assert on_import.pending() == {}
+    assert not any(m.startswith("vllm.models.glm5next") for m in on_import.pending())
     print("OK")
     """
 ).replace("CLASS_NAME", kpool_indexer.CLASS_NAME)
