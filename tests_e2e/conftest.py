@@ -182,17 +182,25 @@ def sparse_engine(sparse_models, tmp_path_factory) -> dict[str, dict]:
     return run_engine_jobs(sparse_jobs(sparse_models), tmp_path_factory.mktemp("sparse-engine"))
 
 
-@pytest.fixture(scope="session")
-def nvfp4_engines(mtp_models, tmp_path_factory) -> dict[str, dict]:
-    """{"tp1", "deployment": the tiny DSA model (one MTP layer) with nvfp4_ds_mla records
-    at TP 1 and at ``NVFP4_DEPLOYMENT``}, run side by side."""
+def _nvfp4_job(mtp_models, tmp_path_factory, name: str, engine: dict | None) -> dict:
+    """The tiny DSA model (one MTP layer) with nvfp4_ds_mla records at ``engine``."""
     args = [str(mtp_models["first"]), str(mtp_models["second"]), "--sparse", NVFP4]
-    env = {"VLLM_MLA": "1", **SPARSE_ENV[NVFP4]}
-    jobs = {
-        "tp1": (args, env),
-        "deployment": ([*args, "--engine", json.dumps(NVFP4_DEPLOYMENT)], env),
-    }
-    return run_engine_jobs(jobs, tmp_path_factory.mktemp("nvfp4"), timeout_s=600)
+    if engine:
+        args += ["--engine", json.dumps(engine)]
+    jobs = {name: (args, {"VLLM_MLA": "1", **SPARSE_ENV[NVFP4]})}
+    return run_engine_jobs(jobs, tmp_path_factory.mktemp(f"nvfp4-{name}"), timeout_s=600)[name]
+
+
+@pytest.fixture(scope="session")
+def nvfp4_tp1(mtp_models, tmp_path_factory) -> dict:
+    """nvfp4_ds_mla records at TP 1, no speculation (the reference of the nvfp4 rows)."""
+    return _nvfp4_job(mtp_models, tmp_path_factory, "tp1", None)
+
+
+@pytest.fixture(scope="session")
+def nvfp4_deployment(mtp_models, tmp_path_factory) -> dict:
+    """nvfp4_ds_mla records at ``NVFP4_DEPLOYMENT`` (TP 2 / DCP 2 / MTP 3)."""
+    return _nvfp4_job(mtp_models, tmp_path_factory, "deployment", NVFP4_DEPLOYMENT)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 multi-process vLLM CPU engines at TP {1, 2, 3 padded, 4} x DCP {1, 2, 4 where TP allows it;
 3 at TP 3} x MTP {0, 3} (and MTP 1 at TP 2 / DCP 2), DCP interleave 1, 16 and 64 (a page),
 both record formats (and nvfp4_ds_mla records at the seeds' TP 4 / DCP 4 / MTP 3), each
-against TP 1 / DCP 1 / MTP 0 with the same records (``sparse_engine``, ``nvfp4_engines``:
+against TP 1 / DCP 1 / MTP 0 with the same records (``sparse_engine``, ``nvfp4_tp1``:
 the same target weights).
 
 Per row and record format: greedy tokens identical and top-5 log-probabilities within
@@ -135,7 +135,7 @@ def test_row_serves_what_tp1_serves(topology, sparse_engine, request, row, kv):
     report = topology(row)[kv]
     # nvfp4 records: against TP 1 with nvfp4 records, at the tolerance scaled for e2m1 flips
     nvfp4 = kv == NVFP4
-    want = request.getfixturevalue("nvfp4_engines")["tp1"] if nvfp4 else sparse_engine[kv]
+    want = request.getfixturevalue("nvfp4_tp1") if nvfp4 else sparse_engine[kv]
     errors = [line for line in report["log"].splitlines() if " ERROR " in line]
     states = report["states_first"]
     assert len(states) == row.tp and not errors, errors[:5]
