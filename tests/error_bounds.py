@@ -46,7 +46,11 @@ def exact_dots(q, keys, cache, kv_format) -> bool:
         return False
     if kv_format == "fp8_ds_mla":
         # a copy: a one-row slice is already contiguous, at any (unaligned) offset
-        scales = cache[..., LATENT : LATENT + 16].clone().view(torch.float32)
+        scales = (
+            cache[..., LATENT : LATENT + 16]
+            .clone(memory_format=torch.contiguous_format)
+            .view(torch.float32)
+        )
         return bool((torch.frexp(scales).mantissa.abs() == 0.5).all())
     return True
 

@@ -107,15 +107,24 @@ def test_unpack_checks_the_cache(fmt):
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_records_decode_at_any_byte_offset(fmt):
     """A one-record view is contiguous at whatever offset it starts (a fuzzed strided
-    cache gave offset 1): the decoders copy before viewing bytes as wider types."""
+    cache gave offset 1, and odd strides on size-1 dims): the decoders make fresh dense
+    copies before viewing bytes as wider types."""
     from vllm_mla.ops.sparse_mla.formats import unpack_records
 
-    rec = pack_rows(torch.randn(1, 512), torch.randn(1, 64), fmt)
-    raw = rec.view(torch.uint8)
-    buf = torch.zeros(raw.numel() + 1, dtype=torch.uint8)
-    buf[1:] = raw.reshape(-1)
-    shifted = buf[1:].view(rec.dtype).view(rec.shape) if rec.dtype == torch.uint8 else None
-    if shifted is None:  # bf16 records: a 1-byte shift is no bf16 tensor at all
+    rec = pack_rows(torch.randn(2, 512), torch.randn(2, 64), fmt)
+    if rec.dtype != torch.uint8:  # bf16 records: a 1-byte shift is no bf16 tensor at all
         return
-    for got, want in zip(unpack_records(shifted, fmt), unpack_records(rec, fmt), strict=True):
-        assert torch.equal(got, want)
+    one = torch.zeros(rec.shape[1] + 1, dtype=torch.uint8)
+    one[1:] = rec[0]
+    rows = torch.zeros(2, rec.shape[1] + 1, dtype=torch.uint8)  # row stride 657 (odd)
+    rows[:, 1:] = rec
+    # one record of a [1, 1, W] cache whose size-1 dims keep odd strides (a plain clone
+    # keeps them, and torch 2.11's dtype view checks them)
+    single = torch.zeros(rec.shape[1] + 2, dtype=torch.uint8)
+    single[1:-1] = rec[0]
+    cell = single.as_strided((1, 1, rec.shape[1]), (rec.shape[1] + 1,) * 2 + (1,), 1)
+    cases = ((one[1:].view(1, -1), rec[:1]), (rows[:, 1:], rec), (cell, rec[:1].view(1, 1, -1)))
+    for shifted, want_rec in cases:
+        got, want = unpack_records(shifted, fmt), unpack_records(want_rec, fmt)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)

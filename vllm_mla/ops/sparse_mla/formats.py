@@ -147,10 +147,13 @@ def _unpack_fp8(records: torch.Tensor, rope: int) -> tuple[torch.Tensor, torch.T
     lead = records.shape[:-1]
     rec = records.contiguous()
     e4m3 = rec[..., :FP8_SCALES_OFFSET].view(torch.float8_e4m3fn).float()
-    # copies before the wider views: a record view may start at any byte offset
-    scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].clone().view(torch.float32)
+    # fresh contiguous copies before the wider views: a record view may start at any byte
+    # offset (a plain clone keeps a dense view's strides)
+    dense = torch.contiguous_format
+    scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].clone(memory_format=dense)
+    scale = scale.view(torch.float32)
     kv_c = e4m3.reshape(*lead, -1, SCALE_GROUP) * scale[..., None]
-    pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].clone()
+    pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].clone(memory_format=dense)
     k_pe = pe.view(torch.bfloat16).float()
     return kv_c.reshape(*lead, LATENT), k_pe
 
