@@ -153,6 +153,8 @@ def _unpack_fp8(records: torch.Tensor, rope: int) -> tuple[torch.Tensor, torch.T
     scale = rec[..., FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].clone(memory_format=dense)
     scale = scale.view(torch.float32)
     kv_c = e4m3.reshape(*lead, -1, SCALE_GROUP) * scale[..., None]
+    if rope == 0:  # nothing to view (an empty copy's strides suit no wider dtype)
+        return kv_c.reshape(*lead, LATENT), kv_c.new_zeros(*lead, 0)
     pe = rec[..., FP8_ROPE_OFFSET : FP8_ROPE_OFFSET + 2 * rope].clone(memory_format=dense)
     k_pe = pe.view(torch.bfloat16).float()
     return kv_c.reshape(*lead, LATENT), k_pe
