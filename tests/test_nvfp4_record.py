@@ -169,7 +169,8 @@ def test_decode_is_exact_and_within_half_a_step():
     assert ((got_c - kv_c).abs() <= bound).all()
     normal = (sf >= 2.0**-6) & (sf < 448)
     assert (mag[normal] <= 6.375).all()
-    assert torch.equal(got_pe, k_pe.to(torch.float8_e4m3fn).float())
+    # RoPE: e4m3 saturating at 448 (a plain cast past 464 is NaN on some torch versions)
+    assert torch.equal(got_pe, k_pe.clamp(-448, 448).to(torch.float8_e4m3fn).float())
 
 
 def test_kernel_reads_every_code_and_scale_exactly():
