@@ -2,7 +2,7 @@
 
 A cache is ``[num_blocks, block_size, record]``; physical row ``r`` lives at
 ``cache[r // block_size, r % block_size]``, addressed through strides (dim 0 may be
-wider than a page: other layers' pages interleave). Two record formats:
+wider than a page: other layers' pages interleave). Three record formats:
 
 - ``fp8_ds_mla`` (FlashMLA's sparse cache format), uint8, 656 bytes: bytes
   ``[0, 512)`` e4m3 of ``kv_c / scale[i // 128]``, ``[512, 528)`` four fp32 scales,
