@@ -24,7 +24,9 @@ from vllm_mla.ops.sparse_mla.formats import (
 )
 
 WRITE_IMPLS = ("auto", "triton", "reference")
-TRITON_WRITERS = ("nvfp4_ds_mla",)  # formats with a Triton writer here
+# formats written by this project's Triton kernel on CUDA (vLLM writes the others, and
+# nvfp4_ds_mla only with SM100 PTX); the vLLM impl and the DSv3.2 patch route by it
+TRITON_WRITERS = ("nvfp4_ds_mla",)
 
 
 def write_records_reference(

@@ -67,6 +67,7 @@ from vllm_mla.ops.sparse_mla import (
 )
 from vllm_mla.ops.sparse_mla.formats import FORMAT, FORMAT_OF_CACHE_DTYPE
 from vllm_mla.ops.sparse_mla.preparation import BoundCall
+from vllm_mla.ops.sparse_mla.record_write import TRITON_WRITERS
 from vllm_mla.vllm import telemetry
 from vllm_mla.vllm.sparse.served import refuse_layer, topk_buffer_width
 
@@ -297,7 +298,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
                 f"{SERVED_MODEL_DTYPES}"
             )
         self.kv_format = kv_format_of(kv_cache_dtype, self.model_dtype)
-        if FORMAT[self.kv_format].reader == "nvfp4":  # DSv3.2's fused write: ours (patch)
+        if self.kv_format in TRITON_WRITERS:  # DSv3.2's fused write: ours (patch)
             from vllm_mla.vllm.patches import dsv32_nvfp4_write
 
             dsv32_nvfp4_write.serve()
@@ -426,7 +427,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         reference, every format. ``k_scale`` is not read: no format here has a
         per-tensor scale.
         """
-        if kv_cache.is_cuda and FORMAT[self.kv_format].reader != "nvfp4":
+        if kv_cache.is_cuda and self.kv_format not in TRITON_WRITERS:
             base = super().do_kv_cache_update
             args = (kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
             return base(*args, skip_scale) if skip_scale else base(*args)
