@@ -74,6 +74,34 @@ def latent_through(attention: torch.nn.Module, cached) -> Iterator[None]:
         del attention.__dict__["kv_a_layernorm"]
 
 
+def vllm_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    layer: int,
+    decisions: Decisions | None = None,
+) -> torch.Tensor:
+    """vLLM's DSA selection from the roped indexer query ``q [B, S, H, D]``, key ``k [B, S,
+    D]`` and per-head weights ``[B, S, H]`` (softmax scale applied): queries and keys
+    quantized per row (ue8m0), logits ``k_scale * sum_h w q_scale / sqrt(H) relu(q . k)``,
+    top-k of every causal prefix, ties toward the lower position. int ``[B, S, topk']``
+    padded with a selected position (transformers scatters the indices into a mask)."""
+    decisions = decisions or Decisions()
+    batch, seq, heads, _ = q.shape
+    q_fp8, q_scale = sparse_indexer.quantize_rows(q, ue8m0=True, floor=QUERY_EPS)
+    k_fp8, k_scale = sparse_indexer.quantize_rows(k, ue8m0=True)
+    weights = weights.float() * q_scale * heads**-0.5
+    lengths = torch.arange(1, seq + 1)  # whole causal prefix of every query
+    out = []
+    for b in range(batch):
+        scores = sparse_indexer.logits(q_fp8[b].float(), weights[b], k_fp8[b], k_scale[b])
+        picked = sparse_indexer.select_topk(scores, lengths, topk)
+        picked = decisions.selected(layer, scores, picked)
+        out.append(torch.where(picked >= 0, picked, picked[:, :1]))
+    return torch.stack(out)
+
+
 class Decisions:
     """Hooks on the reference's discrete decisions (``flip_effect.py`` forces single ones
     the other way): ``selected(layer, scores, picked)`` returns the top-k to use,
@@ -84,6 +112,28 @@ class Decisions:
 
     def latent(self, layer: int, exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
         return rounded
+
+
+class BoundaryMargins(Decisions):
+    """Records, per selection with more candidates than ``topk``, the relative gap between
+    the last selected score and the best dropped one: ``(s_k - s_{k+1}) / |s_1|``. A gap
+    below the scoring's own rounding noise is an index near-tie another summation order
+    could flip (``near_ties``)."""
+
+    def __init__(self, topk: int) -> None:
+        self.topk = topk
+        self.gaps: list[float] = []
+
+    def selected(self, layer: int, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        for t in range(scores.shape[0]):
+            row = scores[t, : t + 1]  # causal prefix of query t
+            if row.numel() > self.topk:
+                top = row.topk(self.topk + 1).values
+                self.gaps.append(float((top[-2] - top[-1]) / top[0].abs().clamp(min=1e-30)))
+        return picked
+
+    def near_ties(self, relative: float) -> int:
+        return sum(gap < relative for gap in self.gaps)
 
 
 @contextlib.contextmanager
@@ -116,19 +166,8 @@ def emulating_vllm(kv_format: str, decisions: Decisions | None = None) -> Iterat
         q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
         q = torch.cat([q_rot, q_pass], -1)
         k = torch.cat([k_rot, k_pass], -1).squeeze(2)
-        q_fp8, q_scale = sparse_indexer.quantize_rows(q, ue8m0=True, floor=QUERY_EPS)
-        k_fp8, k_scale = sparse_indexer.quantize_rows(k, ue8m0=True)
-        weights = self.weights_proj(hidden_states).float()
-        weights = weights * q_scale * self.softmax_scale * self.n_heads**-0.5
-        lengths = torch.arange(1, seq + 1)  # whole causal prefix of every query
-        out = []
-        for b in range(batch):
-            scores = sparse_indexer.logits(q_fp8[b].float(), weights[b], k_fp8[b], k_scale[b])
-            picked = sparse_indexer.select_topk(scores, lengths, self.index_topk)
-            picked = decisions.selected(self.layer_idx, scores, picked)
-            # transformers scatters the indices into a mask: pad with a selected position
-            out.append(torch.where(picked >= 0, picked, picked[:, :1]))
-        return torch.stack(out)
+        weights = self.weights_proj(hidden_states).float() * self.softmax_scale
+        return vllm_topk(q, k, weights, self.index_topk, self.layer_idx, decisions)
 
     def attention_forward(self, *args, **kwargs):
         norm = self.kv_a_layernorm

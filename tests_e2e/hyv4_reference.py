@@ -27,7 +27,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from dsa_reference import latent_through, replaced, round_k_pe, round_kv_c
+from dsa_reference import Decisions, latent_through, replaced, round_k_pe, round_kv_c, vllm_topk
 
 ROPES = ("interleaved", "half")
 
@@ -44,7 +44,12 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 @contextlib.contextmanager
-def emulating_vllm(kv_format: str | None, rope: str = "interleaved") -> Iterator[None]:
+def emulating_vllm(
+    kv_format: str | None,
+    rope: str = "interleaved",
+    emulate_indexer: bool = True,
+    decisions: Decisions | None = None,
+) -> Iterator[None]:
     """Patch transformers' HY-V4 as described in the module docstring (``kv_format`` None:
     no KV rounding)."""
     if rope not in ROPES:
@@ -66,12 +71,33 @@ def emulating_vllm(kv_format: str | None, rope: str = "interleaved") -> Iterator
             k = round_k_pe(k, kv_format)  # the MLA k_pe, as the cache gives it back
         return q, k
 
-    def indexer_forward(self, *args, **kwargs):
+    def indexer_forward(self, hidden_states, q_resid, position_embeddings, *args, **kwargs):
+        if not emulate_indexer:
+            in_indexer[0] = True
+            try:
+                return original_indexer(
+                    self, hidden_states, q_resid, position_embeddings, *args, **kwargs
+                )
+            finally:
+                in_indexer[0] = False
+        # transformers' projections, fp32 LayerNorm and RoPE (on the last rope dims), then
+        # vLLM's quantized scoring and selection
+        batch, seq, _ = hidden_states.shape
+        split = [self.head_dim - self.qk_rope_head_dim, self.qk_rope_head_dim]
+        q = self.wq_b(q_resid).view(batch, seq, self.n_heads, self.head_dim)
+        q_pass, q_rot = torch.split(q, split, -1)
+        k = self.k_norm(self.wk(hidden_states).float()).unsqueeze(2)
+        k_pass, k_rot = torch.split(k, split, -1)
         in_indexer[0] = True
         try:
-            return original_indexer(self, *args, **kwargs)
+            cos, sin = position_embeddings
+            q_rot, k_rot = m.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
         finally:
             in_indexer[0] = False
+        q = torch.cat([q_pass, q_rot], -1)
+        k = torch.cat([k_pass, k_rot], -1).squeeze(2)
+        weights = self.weights_proj(hidden_states).float() * self.softmax_scale
+        return vllm_topk(q, k, weights, self.index_topk, self.layer_idx, decisions)
 
     def attention_forward(self, *args, **kwargs):
         if kv_format is None:
@@ -111,12 +137,14 @@ def reference(
     kv_format: str | None,
     rope: str = "interleaved",
     sink: str = "model",
+    emulate_indexer: bool = True,
+    decisions: Decisions | None = None,
 ) -> list[dict]:
     """Greedy tokens and full-vocabulary log-probabilities at every generated position,
     teacher-forced on its own greedy tokens (each a whole-prefix forward, no cache)."""
     model = load(model_dir, sink)
     results = []
-    with torch.no_grad(), emulating_vllm(kv_format, rope):
+    with torch.no_grad(), emulating_vllm(kv_format, rope, emulate_indexer, decisions):
         for ids in prompt_ids:
             tokens = list(ids)
             for _ in range(max_tokens):
