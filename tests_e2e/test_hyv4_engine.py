@@ -186,13 +186,6 @@ def test_served_by_our_backend_indexer_and_cache_writer_with_the_sink(hyv4_engin
     assert "Skipping unknown checkpoint weight" not in log  # vLLM loaded every tensor
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.32's reload_weights keeps HY-V4's old learnable_sink_param (its loader "
-    "copies the sink without a weight_loader, so the layerwise reload counts nothing loaded "
-    "and restores the old tensor: 'HYV4MLAAttention: Failed to load weights') and leaves the "
-    "CPU MoE experts' w13/w2 un-prepacked after the reload",
-)
 def test_reload_serves_the_second_checkpoint(hyv4_models, hyv4_engine, prompt_ids):
     want = reference(hyv4_models["second"], prompt_ids, MAX_TOKENS, "bf16")
     assert_sparse_match(hyv4_engine["bfloat16"]["reloaded"], want)

@@ -30,7 +30,13 @@ def test_register_patches_the_lifecycle_target(registered):
     )
     assert {k: v for k, v in registered.items() if not k.startswith("sparse")} == {
         "lifecycle": "applied MLAAttention.process_weights_after_loading, "
-        "_copy_and_restore_kernel_tensors",
+        "_copy_and_restore_kernel_tensors"
+        + (
+            ", HYV4Model.load_weights (when vllm.models.hy_v4.nvidia.model is imported)"
+            if patches.installed_minor() == "0.32"
+            else "; hyv4_sink_reload not needed: its sink has a weight loader (make_attention_sink)"
+        ),
+        "lifecycle-cpu": "applied UnquantizedFusedMoEMethod._setup_kernel",
         "query": "applied MLAAttention._v_up_proj; fused query projection "
         "(_DecodeConcatQuantFP8.register_oot, forward_mqa wrap; VLLM_MLA_QUERY=auto)",
         "cpu-mxfp8": "registered EmulationMxfp8LinearKernel for CPU (register_linear_kernel)",

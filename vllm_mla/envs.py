@@ -4,7 +4,8 @@ them equal) and one reader per variable. A value outside a variable's choices is
 ValueError naming the variable.
 
 The features of ``VLLM_MLA_FEATURES``: ``lifecycle`` (lean absorbed weights in MLA
-post-load), ``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs
+post-load, in-place reload), ``lifecycle-cpu`` (CPU platform only: a reload prepacks vLLM
+CPU's MoE experts), ``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs
 it, and the fused query projection on the decode path), ``sparse`` (registers the
 B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve to fp8_ds_mla for it and
 keeps an explicit bfloat16 cache, lets an MTP draft inherit it), ``sparse-cpu`` (CPU
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 TRUE = ("1", "true", "yes", "on")
 FEATURES = (
     "lifecycle",
+    "lifecycle-cpu",
     "query",
     "sparse",
     "sparse-cpu",

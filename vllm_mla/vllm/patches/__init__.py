@@ -20,6 +20,23 @@ the two agree and that every target exists in the installed vLLM):
     is an empty placeholder, so the copy fails on shape
     removal: when vLLM's reload rebinds size-changed kernel tensors itself
 
+``hyv4_sink_reload`` (feature ``lifecycle``, applied when its module is imported)
+    versions: 0.32, 0.33, 0.34; not applied on 0.33: its sink has a weight loader
+    (make_attention_sink); not applied on 0.34: its sink has a weight loader
+    (make_attention_sink)
+    target: ``vllm.models.hy_v4.nvidia.model.HYV4Model.load_weights``
+    why: it copies the learnable sink past any weight_loader, so a layerwise reload counts
+    nothing loaded and puts the old sink back
+    removal: with vLLM 0.32
+
+``cpu_moe_reload_prepack`` (feature ``lifecycle-cpu``, CPU platform)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method``
+    ``.UnquantizedFusedMoEMethod._setup_kernel``
+    why: a weight update skips the experts' post-load, which on CPU prepacks w13/w2, so
+    reloaded experts are read unpacked
+    removal: when vLLM re-runs the experts' post-load on weight updates
+
 ``mla_v_up_proj`` (feature ``query``)
     versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.layers.attention.mla_attention``
@@ -310,6 +327,41 @@ PATCHES: tuple[Patch, ...] = (
         "original; the attention post-load re-materializes in place and releases again",
         removal="when vLLM's reload rebinds size-changed kernel tensors itself",
         factory="vllm_mla.vllm.patches.reload_released:make_copy_and_restore",
+    ),
+    Patch(
+        name="hyv4_sink_reload",
+        feature="lifecycle",
+        module="vllm.models.hy_v4.nvidia.model",
+        qualname="HYV4Model.load_weights",
+        params=("self", "weights"),
+        versions=SUPPORTED_VLLM,
+        upstream_at=(
+            ("0.33", "its sink has a weight loader (make_attention_sink)"),
+            ("0.34", "its sink has a weight loader (make_attention_sink)"),
+        ),
+        why="it copies the learnable sink past any weight_loader, so a layerwise reload "
+        "counts nothing loaded and puts the old sink back",
+        how="the sink entries are held back from the original and loaded through the "
+        "parameter's weight_loader (the original's head-shard copy, set on first load), "
+        "which the reload wrapper counts and copies into the same storage",
+        removal="with vLLM 0.32",
+        factory="vllm_mla.vllm.patches.hyv4_sink_reload:make_load_weights",
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_moe_reload_prepack",
+        feature="lifecycle-cpu",
+        module="vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+        qualname="UnquantizedFusedMoEMethod._setup_kernel",
+        params=("self", "layer", "w13", "w2"),
+        versions=SUPPORTED_VLLM,
+        why="a weight update skips the experts' post-load, which on CPU prepacks w13/w2, so "
+        "reloaded experts are read unpacked",
+        how="after the original, on a weight update served by vLLM CPU's experts, their "
+        "process_weights_after_loading runs on the new weights; other experts untouched",
+        removal="when vLLM re-runs the experts' post-load on weight updates",
+        factory="vllm_mla.vllm.patches.cpu_moe_reload_prepack:make_setup_kernel",
+        platforms=("cpu",),
     ),
     Patch(
         name="mla_v_up_proj",
