@@ -150,7 +150,19 @@ def _engine_state(model) -> dict:
         "layers": sum(
             1 for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "W_UK_T")
         ),
+        "sinks": _sinks(model),
     }
+
+
+def _sinks(model) -> list[dict]:
+    """Per MLA layer with an attention sink (HY-V4): the sinks this rank holds and those its
+    kernel calls pass (under DCP the group's, -inf past DCP rank 0)."""
+    impls = [m.impl for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "impl")]
+    return [
+        {"local": impl.sinks.tolist(), "call": impl._call_sinks.tolist()}
+        for impl in impls
+        if getattr(impl, "sinks", None) is not None
+    ]
 
 
 # -- head-padded TP (VLLM_MLA_TP_PAD=1): the padded heads' part, read inside each worker ---

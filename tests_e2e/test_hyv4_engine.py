@@ -189,3 +189,52 @@ def test_served_by_our_backend_indexer_and_cache_writer_with_the_sink(hyv4_engin
 def test_reload_serves_the_second_checkpoint(hyv4_models, hyv4_engine, prompt_ids):
     want = reference(hyv4_models["second"], prompt_ids, MAX_TOKENS, "bf16")
     assert_sparse_match(hyv4_engine["bfloat16"]["reloaded"], want)
+
+
+# -- TP 2 / DCP 2 (marker topology): the sink sharded per head, counted once -------------
+TP2_DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+
+
+@pytest.fixture(scope="session")
+def hyv4_tp2_dcp2(hyv4_models, tmp_path_factory) -> dict:
+    """The bf16-record engine at TP 2 / DCP 2 (one CPU core per rank), first and reloaded."""
+    job = sparse_jobs(hyv4_models, engine=TP2_DCP2)["bfloat16"]
+    return run_engine_jobs({"tp2": job}, tmp_path_factory.mktemp("hyv4-tp2"))["tp2"]
+
+
+def checkpoint_sinks(model_dir) -> list[list[float]]:
+    """Every layer's sink logits as the checkpoint holds them."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(path))
+    return [
+        weights[f"model.layers.{i}.self_attn.learnable_sink_param"].tolist() for i in range(LAYERS)
+    ]
+
+
+@pytest.mark.topology
+@pytest.mark.parametrize("phase", ["first", "reloaded"])
+def test_tp2_dcp2_matches_the_reference_with_the_sink_counted_once(
+    hyv4_models, hyv4_tp2_dcp2, prompt_ids, phase
+):
+    """TP 2 / DCP 2: each rank holds its 2 heads' sinks (TP shards them per head, reload
+    included), its kernel calls see the group's 4 heads (vLLM gathers the query heads of
+    the DCP group) with the sinks on DCP rank 0 only, and the generation matches the fp32
+    reference within TP 1's tolerance (the LSE merge and the TP all-reduce add fp32 terms
+    in another order: rounding far below the bound)."""
+    model = hyv4_models["first" if phase == "first" else "second"]
+    c = assert_sparse_match(hyv4_tp2_dcp2[phase], reference(model, prompt_ids, MAX_TOKENS, "bf16"))
+    print(f"TP 2 / DCP 2 {phase}: worst {c.worst:.2e} at {c.worst_at}, median {c.median:.2e}")
+    sinks = checkpoint_sinks(model)
+    states = hyv4_tp2_dcp2[f"states_{phase}"]
+    assert len({s["telemetry"]["pid"] for s in states}) == 2
+    for rank, state in enumerate(states):
+        assert len(state["sinks"]) == LAYERS
+        for layer, held in enumerate(state["sinks"]):
+            assert held["local"] == pytest.approx(sinks[layer][2 * rank : 2 * rank + 2])
+            want = sinks[layer] if rank == 0 else [float("-inf")] * 4
+            assert held["call"] == pytest.approx(want)
+        counts = state["telemetry"]["sparse"]
+        assert counts[f"forward_mqa:reference:dcp{rank}/2"] >= MAX_TOKENS * LAYERS

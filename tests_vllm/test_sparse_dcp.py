@@ -60,8 +60,23 @@ def dcp_config(monkeypatch, n: int, rank: int, interleave: int = 1, dtype=torch.
             yield config
 
 
-def build_impl(num_heads: int, kv_cache_dtype: str, buffer: torch.Tensor) -> B12XMLASparseImpl:
-    return make_impl(kv_cache_dtype, buffer=buffer, num_heads=num_heads)
+def build_impl(
+    num_heads: int, kv_cache_dtype: str, buffer: torch.Tensor, sinks: torch.Tensor | None = None
+) -> B12XMLASparseImpl:
+    extra = {} if sinks is None else {"sinks": sinks}
+    return make_impl(kv_cache_dtype, buffer=buffer, num_heads=num_heads, **extra)
+
+
+def dcp_group_of(monkeypatch, full_sinks: torch.Tensor, n: int) -> None:
+    """``get_dcp_group().all_gather`` of a rank's sinks: every rank's, in rank order (a
+    group of ``n`` ranks holding ``full_sinks`` in head shards)."""
+    import vllm.distributed as dist
+
+    def all_gather(x, dim):
+        assert dim == 0 and x.shape[0] * n == full_sinks.shape[0]
+        return full_sinks.clone()
+
+    monkeypatch.setattr(dist, "get_dcp_group", lambda: SimpleNamespace(all_gather=all_gather))
 
 
 # -- selection and start-up --------------------------------------------------------------
@@ -207,12 +222,15 @@ def forward(impl, q, cache, table):
     return impl.forward_mqa(q, cache, meta, layer=None)
 
 
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
 @pytest.mark.parametrize("interleave", [1, 16])
 @pytest.mark.parametrize("kv_cache_dtype", KV)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ranks_merged_by_vllms_combine_equal_dcp1(
-    monkeypatch, cpu_session, dtype, kv_cache_dtype, interleave
+    monkeypatch, cpu_session, dtype, kv_cache_dtype, interleave, sink
 ):
+    """With HY-V4's sink each rank's layer holds its heads' sinks; the merged softmax
+    counts the group's sinks once (``impl.dcp_sinks``), as DCP 1 with every head does."""
     from vllm.v1.attention.ops.dcp import _lse_weighted_combine, mask_dcp_empty_shards_
 
     n, fmt = 2, KV[kv_cache_dtype]
@@ -221,8 +239,11 @@ def test_ranks_merged_by_vllms_combine_equal_dcp1(
     buffer = topk_buffer()
     tokens = len(TOKEN_REQUEST)
     q = (torch.randint(-8, 9, (tokens, n * H, 576), generator=gen) / 4).to(dtype)
+    sinks = (torch.randn(n * H, generator=gen) + 2).float() if sink else None
+    if sink:
+        dcp_group_of(monkeypatch, sinks, n)
     with dcp_config(monkeypatch, 1, 0, dtype=dtype):
-        whole = build_impl(n * H, kv_cache_dtype, buffer)  # DCP 1 with every head
+        whole = build_impl(n * H, kv_cache_dtype, buffer, sinks)  # DCP 1 with every head
         want, none = forward(whole, q, *place(rows, gen))
     assert none is None  # no DCP: no lse
     outs, lses = [], []
@@ -230,7 +251,8 @@ def test_ranks_merged_by_vllms_combine_equal_dcp1(
         shard = DCPShard(n, rank, interleave)
         local = [r[shard.to_local(torch.arange(r.shape[0])) >= 0] for r in rows]
         with dcp_config(monkeypatch, n, rank, interleave, dtype=dtype):
-            impl = build_impl(H, kv_cache_dtype, buffer)  # H heads of this rank's layer
+            local_sinks = None if sinks is None else sinks[rank * H : (rank + 1) * H]
+            impl = build_impl(H, kv_cache_dtype, buffer, local_sinks)  # this rank's H heads
             out, lse = forward(impl, q, *place(local, gen))
         assert out.shape == (tokens, n * H, 512) and out.dtype == dtype
         assert lse.shape == (tokens, n * H) and lse.dtype == torch.float32

@@ -11,8 +11,8 @@ GLM-5.3-Flash's latent-512 MLA without RoPE (head_size 512, qk_rope_head_dim 0) 
 (tests_vllm/test_sparse_rope0.py runs it); any other latent or RoPE width stays refused.
 
 HY-V4's learnable attention sink is served (tests_vllm/test_sparse_sink.py runs it); what
-stays refused about it: a sink under decode context parallelism, a ``sinks`` tensor that is
-not fp32 ``[heads]``, and a sink model's layer built without its sinks.
+stays refused about it: a ``sinks`` tensor that is not fp32 ``[heads]`` and a sink model's
+layer built without its sinks (a sink under decode context parallelism is served).
 """
 
 from __future__ import annotations
@@ -120,13 +120,11 @@ def test_forced_selection_serves_hy_v4s_learnable_sink(current):
     assert forced() is None and forced(sink=True) is None
 
 
-def test_forced_selection_refuses_a_sink_under_dcp(current):
-    """Under DCP vLLM gathers the group's query heads, whose sinks live on the other ranks:
-    refused, naming both (the model's hf config, and has_sink where the selector shows it);
-    the same model without a sink is served under DCP."""
+def test_forced_selection_serves_a_sink_under_dcp(current):
+    """Under DCP the impl counts the group's sinks once (``impl.dcp_sinks``): served, with
+    its model and has_sink as the selector shows it; the no-sink model too."""
     current(hy_v4(), dcp=2)
-    assert "hf config learnable_sink=True with decode_context_parallel_size=2" in forced()
-    assert "has_sink=True with decode_context_parallel_size=2" in forced(sink=True)
+    assert forced() is None and forced(sink=True) is None
     current(hy_v4(learnable_sink=False), dcp=2)
     assert forced() is None
 
@@ -285,15 +283,12 @@ def test_hy_v4s_attention_is_served_with_its_sink(current, sink):
         assert impl.sinks is None
 
 
-def test_hy_v4s_sink_under_dcp_is_refused_at_start_up(current):
-    """Under DCP (vLLM CPU routes the selection unvalidated) the impl refuses the sink,
-    naming the setting; the same model without a sink builds under DCP."""
-    with pytest.raises(NotImplementedError, match="decode_context_parallel_size=2") as e:
-        hy_v4_attention(current(hy_v4(), dcp=2))
-    assert "sinks with decode_context_parallel_size=2 (an attention sink under DCP" in str(e.value)
-    assert SPARSE_BACKEND in str(e.value) and SERVED in str(e.value)
-    attention = hy_v4_attention(current(hy_v4(learnable_sink=False), dcp=2))
-    assert attention.mla_attn.impl.dcp.size == 2
+def test_hy_v4s_sink_under_dcp_builds_with_its_sinks(current):
+    """Under DCP (vLLM CPU routes the selection unvalidated) HY-V4's layer builds with its
+    sink Parameter; the group's sinks are gathered at post-load (test_sparse_dcp)."""
+    attention = hy_v4_attention(current(hy_v4(), dcp=2))
+    impl = attention.mla_attn.impl
+    assert impl.dcp.size == 2 and impl.sinks is attention.learnable_sink_param
 
 
 def test_a_sink_models_layer_without_its_sinks_is_refused(current):

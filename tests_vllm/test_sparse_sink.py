@@ -163,7 +163,7 @@ def test_the_sink_is_prepared_and_a_frozen_call_compiles_nothing(
     cache = kv_cache(1)
     out, _ = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, layer=None)
     assert out.shape == (1, 4, 512)
-    impl.sinks = None
+    impl._call_sinks = None  # what the kernel calls pass
     with pytest.raises(ValueError, match="sink: the plan declares sink=True, got None"):
         impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, layer=None)
 

@@ -39,8 +39,12 @@ What it does (vLLM 0.33's impl contract):
   copy: the weights load into it later) and passes it to every kernel call, where it
   joins each head's softmax denominator once (``ops.sparse_mla``, ``sink=``); the plan
   declares it (``SparseMLACaps.sink``) so its variant is prepared. b12x has no sink input
-  and declines (``serving_impl``): Triton serves. Refused at start-up, named
-  (``served.refuse_layer``): a sink under DCP, a sinks tensor not fp32 ``[heads]``.
+  and declines (``serving_impl``): Triton serves. Under DCP the calls see the group's
+  heads, so the impl gathers the group's sinks (``dcp_sinks``, at every post-load, reloads
+  included: nothing per step) and counts them once in the merged softmax: DCP rank 0
+  passes them, the other ranks pass -inf (no sink), so the LSE merge adds ``e^sink`` to
+  the group's denominator once. Refused at start-up, named (``served.refuse_layer``): a
+  sinks tensor not fp32 ``[heads]``.
 """
 
 from __future__ import annotations
@@ -277,6 +281,8 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         # fp32 [H]: the model's Parameter itself, read at every call (its weights load
         # after construction); None: no sink
         self.sinks: torch.Tensor | None = sinks
+        # what the kernel calls pass: the sinks, or under DCP the group's (dcp_sinks)
+        self._call_sinks: torch.Tensor | None = sinks
         # index_group_builder (and any other generic sparse argument) is accepted and
         # deliberately unused: registering with it allocates group conversion buffers,
         # a side stream and two events per indexer layer that this impl never reads.
@@ -378,7 +384,9 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
         )
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """Plan and prepare before vLLM's profiling capture (nothing compiles in it)."""
+        """Plan and prepare before vLLM's profiling capture (nothing compiles in it);
+        under DCP gather the group's sinks (every rank runs this, in layer order)."""
+        self._gather_dcp_sinks()
         session = self._bind_plan(_device_of(self.kv_b_proj))
         if not session.is_prepared(self.plan, self.caps.max_tokens) and not session.frozen:
             session.prepare(self.plan)
@@ -535,7 +543,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
                 attn_metadata.req_id_per_token,
                 attn_metadata.block_table,
                 lse=lse,
-                sink=self.sinks,
+                sink=self._call_sinks,
             )
             return out, lse
         rows = getattr(attn_metadata, "physical_indices", None)  # the builder's buffer
@@ -547,8 +555,22 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             out=None if rows is None else rows[:num_tokens, : logical.shape[1]],
             shard=self.dcp,
         )
-        out = call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical, lse=lse, sink=self.sinks)
+        out = call.run(q_nope, q_pe, kv_c_and_k_pe_cache, physical, lse=lse, sink=self._call_sinks)
         return out, lse
+
+    def _gather_dcp_sinks(self) -> None:
+        """``_call_sinks`` for the group's heads (``dcp_sinks``), refreshed in place (a
+        captured graph keeps reading the same tensor); no sink or no DCP: the sinks."""
+        if self.sinks is None or self.dcp.trivial:
+            self._call_sinks = self.sinks
+            return
+        from vllm.distributed import get_dcp_group
+
+        sinks = dcp_sinks(self.sinks, self.dcp.rank, get_dcp_group().all_gather)
+        if self._call_sinks is None or self._call_sinks.shape != sinks.shape:
+            self._call_sinks = sinks
+        else:
+            self._call_sinks.copy_(sinks)
 
     def _bind_call(self, kv_cache: torch.Tensor, block_size: int) -> BoundCall:
         if block_size != kv_cache.shape[1]:
@@ -558,6 +580,7 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             )
         if self.session is None or self.plan is None:  # post-load did not run (impl alone)
             self._bind_plan(kv_cache.device)
+            self._gather_dcp_sinks()
         self._forward_event = f"forward_mqa:{self.plan.impl}"  # type: ignore[union-attr]
         self.dcp = dcp_shard(self.dcp_world_size, self.dcp_rank, self._parallel)  # final now
         if not self.dcp.trivial:
@@ -566,6 +589,16 @@ class B12XMLASparseImpl(MLAAttentionImpl, SharedTopkIndicesBuffer):
             self.plan, softmax_scale=self.scale, buffers=self._buffers, dcp=self.dcp
         )
         return self._call
+
+
+def dcp_sinks(sinks: torch.Tensor, dcp_rank: int, all_gather) -> torch.Tensor:
+    """fp32 ``[N*H]``: the DCP group's sinks in its gathered head order (``all_gather(x,
+    dim=0)``, the order vLLM gathers the query heads in), as DCP rank ``dcp_rank`` passes
+    them: rank 0 the sinks, the others -inf. vLLM merges the ranks' partial softmaxes by
+    their LSE, so a sink every rank counted would weigh N times; counted on one rank it
+    joins the merged denominator exactly once (a -inf sink is no sink)."""
+    group = all_gather(sinks.detach().float().contiguous(), dim=0)
+    return group if dcp_rank == 0 else torch.full_like(group, float("-inf"))
 
 
 def convert_to_physical(

@@ -20,9 +20,9 @@ Attention sink (HY-V4's learnable per-head logit, ``sinks`` fp32 ``[heads]`` han
 impl by ``MLAAttention``): served, as one more term of each head's softmax denominator
 (``vllm_mla.ops.sparse_mla``, ``sink=``). Refused, named: a sink model whose layer arrives
 without its ``sinks`` (the sink would be dropped: HY-V4 itself only warns where a backend
-lacks ``supports_sink``), a ``sinks`` tensor that is not fp32 ``[heads]``, and a sink under
-decode context parallelism (vLLM gathers the DCP group's query heads, whose sinks live on
-the other ranks; vLLM's own HY-V4 FlashMLA path rejects that layout too).
+lacks ``supports_sink``) and a ``sinks`` tensor that is not fp32 ``[heads]``. Under decode
+context parallelism the sink is served too (``sink_under_dcp``): the impl gathers the DCP
+group's sinks and counts them once in the merged softmax (``impl.dcp_sinks``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Served:
     num_kv_heads: int = 1  # MQA over the latent
     attn_type: str = AttentionType.DECODER  # decoder self-attention only
     sink: bool = True  # a learnable per-head attention sink (fp32 [heads])
-    sink_under_dcp: bool = False  # ... also under decode context parallelism
+    sink_under_dcp: bool = True  # ... also under decode context parallelism (once)
     sliding_window: bool = False
     alibi: bool = False
     logits_soft_cap: bool = False
@@ -82,7 +82,7 @@ class Served:
         return (
             f"it serves sparse MLA of a DSA model (hf config index_topk), decoder "
             f"self-attention, {geometries}, KV cache {records}, a per-head attention sink "
-            "(fp32 [heads]) without decode context parallelism; no sliding window, alibi, "
+            "(fp32 [heads]), under decode context parallelism too; no sliding window, alibi, "
             "logits soft cap or KV sharing"
         )
 
