@@ -120,13 +120,14 @@ class BoundaryMargins(Decisions):
     below the scoring's own rounding noise is an index near-tie another summation order
     could flip (``near_ties``)."""
 
-    def __init__(self, topk: int) -> None:
-        self.topk = topk
+    def __init__(self, topk: int, grain: int = 1) -> None:
+        self.topk = topk  # in candidates: tokens, or pools of ``grain`` tokens (kpool)
+        self.grain = grain
         self.gaps: list[float] = []
 
     def selected(self, layer: int, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
         for t in range(scores.shape[0]):
-            row = scores[t, : t + 1]  # causal prefix of query t
+            row = scores[t, : (t + 1) // self.grain]  # the candidates query t may select
             if row.numel() > self.topk:
                 top = row.topk(self.topk + 1).values
                 self.gaps.append(float((top[-2] - top[-1]) / top[0].abs().clamp(min=1e-30)))

@@ -16,14 +16,18 @@ the two legitimately differ.
   ``lm_head`` applied by hand): transformers' multimodal class would build a vision tower
   this checkpoint does not have.
 
-Not emulated, on purpose: vLLM's bf16 activations (the engine serves the model in bf16, as
-vLLM's GLM-5-next code requires; the tolerance in the test says what they cost), and the
-indexer's fp8 scoring: the tests use ``index_topk`` >= every context they reach, so every
-pool is selected and the tail always is.
+- **Selection** (``kpool_topk``): vLLM's kpool indexer arithmetic on transformers'
+  projections, rounded to bf16 where the engine's GEMMs write bf16 (query, key, gate; the
+  head weights are fp32 in vLLM too), then ``vllm_mla.ops.kpool_indexer.reference``: the
+  functions the plugin serves the CPU engine with.
 
-``latent_noise`` perturbs the latent by bf16-sized noise before its rounding: with
+Not emulated, on purpose: vLLM's bf16 activations elsewhere (the engine serves the model in
+bf16, as vLLM's GLM-5-next code requires; the test's error model measures what they cost).
+
+``latent_noise`` perturbs the latent and the indexer's inputs by bf16-sized noise: with
 ``fp8_ds_mla`` records that moves a few percent of the e4m3 elements to their other
-neighbour, as the bf16 engine's own latent does (the fp8 test's error model).
+neighbour, and near-tied pools to the other side, as the bf16 engine's own values do (the
+test's error model).
 
 ``tail="dropped"`` turns ``index_kpool_always_select_tail`` off: the last incomplete pool
 is no longer attended, to show the engine and this reference both select it.
@@ -36,8 +40,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from dsa_reference import latent_through, replaced, round_kv_c
+import torch.nn.functional as F
+from dsa_reference import Decisions, latent_through, replaced, round_kv_c
 from safetensors.torch import load_file
+
+from vllm_mla.ops.kpool_indexer import reference as kp
 
 TAILS = ("selected", "dropped")
 
@@ -74,15 +81,75 @@ def _plain_residual_forward(
 BF16_NOISE = 2.0**-8
 
 
+def kpool_topk(
+    indexer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    q_resid: torch.Tensor,
+    decisions: Decisions,
+    gen: torch.Generator | None = None,
+) -> torch.Tensor:
+    """vLLM's kpool selection (``vllm_mla.ops.kpool_indexer.reference``, what the plugin
+    serves the CPU engine with) from transformers' indexer projections: the query, key and
+    gate rounded to bf16 where the bf16 engine's GEMMs write them (the head weights stay
+    fp32, as vLLM computes them), then the
+    Hadamard rotation, e4m3 queries and pool keys (ue8m0 scales), pool logits, the top
+    ``index_topk // kpool`` pools (``decisions`` may override them) and the tail.
+    ``gen``: each input perturbed by ``BF16_NOISE`` relative noise first (what the bf16
+    engine's own inputs to the indexer differ by). int32 ``[B, S, width]``, -1 padded."""
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        if gen is None:
+            return x
+        return x * (1 + BF16_NOISE * torch.randn(x.shape, generator=gen))
+
+    batch, seq = hidden_states.shape[:2]
+    kpool, topk = indexer.index_kpool, indexer.index_topk
+    bf16 = torch.bfloat16
+    q = noisy(indexer.wq_b(q_resid)).view(batch, seq, -1, indexer.head_dim).to(bf16)
+    # vLLM: the wk GEMM writes bf16, its LayerNorm runs in fp32 and casts back
+    k = indexer.k_norm(noisy(indexer.wk(hidden_states)).to(bf16).float()).to(bf16)
+    gate = noisy(F.linear(hidden_states, indexer.index_kpool_compress_gate)).to(bf16)
+    weights = noisy(indexer.weights_proj(hidden_states))  # vLLM: fp32 (its _wp_fp32)
+    ape = indexer.index_kpool_compress_ape.float()
+    lengths = torch.arange(1, seq + 1)
+    out = []
+    for b in range(batch):
+        qv, q_scale = kp.quantize_query(q[b])
+        pools, pool_scale = kp.quantize_pools(kp.request_pools(k[b], gate[b], ape))
+        scores = kp.logits(qv.float(), kp.fold_weights(weights[b], q_scale), pools, pool_scale)
+        picked = kp.select_pools(scores, lengths // kpool, topk // kpool)
+        picked = decisions.selected(indexer.layer_idx, scores, picked)
+        rows = kp.expand_pools_and_tail(picked, lengths, kpool)
+        if not indexer.index_kpool_always_select_tail:
+            rows[:, topk:] = -1
+        out.append(rows)
+    return torch.stack(out)
+
+
 @contextlib.contextmanager
-def emulating_vllm(kv_format: str | None, latent_noise: int | None = None) -> Iterator[None]:
+def emulating_vllm(
+    kv_format: str | None,
+    latent_noise: int | None = None,
+    emulate_indexer: bool = True,
+    decisions: Decisions | None = None,
+) -> Iterator[None]:
     """Patch transformers' GLM-5-next as the module docstring says (``kv_format`` None: no
-    KV rounding). ``latent_noise``: a seed; the latent is perturbed by ``BF16_NOISE``
-    relative Gaussian noise before its rounding (what the bf16 engine's latent differs
-    by), so the rounding lands on the other neighbour where the engine's may."""
+    KV rounding). ``latent_noise``: a seed; the latent (before its rounding) and the
+    indexer's inputs are perturbed by ``BF16_NOISE`` relative Gaussian noise (what the
+    bf16 engine's differ by), so roundings and pool selections land where the engine's
+    may.
+    ``emulate_indexer`` False: transformers' own fp32 pool scores select."""
     from transformers.models.glm5_next import modeling_glm5_next as m
 
+    decisions = decisions or Decisions()
     original_attention = m.Glm5NextTextAttention.forward
+    original_indexer = m.Glm5NextTextIndexer.forward
+
+    def indexer_forward(self, hidden_states, q_resid, *args, **kwargs):
+        if not emulate_indexer:
+            return original_indexer(self, hidden_states, q_resid, *args, **kwargs)
+        return kpool_topk(self, hidden_states, q_resid, decisions, gen)
+
     gen = None if latent_noise is None else torch.Generator().manual_seed(latent_noise)
 
     def cached(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +166,7 @@ def emulating_vllm(kv_format: str | None, latent_noise: int | None = None) -> It
     with (
         replaced(m.Glm5NextTextDecoderLayer, forward=_plain_residual_forward),
         replaced(m.Glm5NextTextAttention, forward=attention_forward),
+        replaced(m.Glm5NextTextIndexer, forward=indexer_forward),
     ):
         yield
 
@@ -133,9 +201,13 @@ def reference(
     kv_format: str | None,
     tail: str = "selected",
     latent_noise: int | None = None,
+    emulate_indexer: bool = True,
+    decisions: Decisions | None = None,
+    forced: list[list[int]] | None = None,
 ) -> list[dict]:
     """Greedy tokens and full-vocabulary log-probabilities at every generated position,
-    teacher-forced on its own greedy tokens (each a whole-prefix forward, no cache)."""
+    teacher-forced on its own greedy tokens (or on ``forced[i]``, another run's tokens for
+    prompt i; each a whole-prefix forward, no cache)."""
     model, lm_head = load(model_dir, tail)
 
     def logits(tokens: list[int]) -> torch.Tensor:
@@ -143,10 +215,12 @@ def reference(
         return hidden @ lm_head.t()
 
     results = []
-    with torch.no_grad(), emulating_vllm(kv_format, latent_noise):
+    with torch.no_grad(), emulating_vllm(kv_format, latent_noise, emulate_indexer, decisions):
         for ids in prompt_ids:
             tokens = list(ids)
-            for _ in range(max_tokens):
+            if forced is not None:  # another run's tokens for this prompt
+                tokens += forced[len(results)][:max_tokens]
+            while len(tokens) < len(ids) + max_tokens:
                 tokens.append(int(logits(tokens)[-1].argmax()))
             full = torch.log_softmax(logits(tokens).double(), -1)
             results.append(

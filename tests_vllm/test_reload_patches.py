@@ -10,7 +10,13 @@ import types
 import pytest
 import torch
 
-from vllm_mla.vllm.patches import PATCHES, cpu_moe_reload_prepack, hyv4_sink_reload, installed_minor
+from vllm_mla.vllm.patches import (
+    PATCHES,
+    cpu_moe_reload_prepack,
+    glm5next_indexer_reload,
+    hyv4_sink_reload,
+    installed_minor,
+)
 
 SINK = "layers.0.self_attn.learnable_sink_param"
 
@@ -111,3 +117,56 @@ def test_the_cpu_experts_module_is_vllms():
         for cls in vars(module).values()
         if isinstance(cls, type) and cls.__module__ == module.__name__
     )
+
+
+# -- glm5next_indexer_reload ------------------------------------------------------------
+def _indexer_type(module: str) -> type:
+    return type("Indexer", (torch.nn.Module,), {"__module__": module})
+
+
+def _indexer(module: str = glm5next_indexer_reload.INDEXER_MODULE) -> torch.nn.Module:
+    """What the patch reads of GLM-5.3-Flash's Indexer: head_dim, wk_weights_proj and the
+    fp32 copy its first forward makes (in inference mode, as vLLM's forward runs)."""
+    indexer = _indexer_type(module)()
+    indexer.head_dim = 4
+    indexer.wk_weights_proj = torch.nn.Linear(8, 4 + 2, bias=False)
+    with torch.inference_mode():
+        indexer._wp_fp32 = glm5next_indexer_reload.head_weights_fp32(indexer)
+    return indexer
+
+
+def test_a_reload_refills_the_indexers_fp32_head_weights_in_place():
+    model = torch.nn.Sequential(_indexer(), _indexer("elsewhere"))
+    held = [m._wp_fp32 for m in model]
+    pointers = [t.data_ptr() for t in held]
+    with torch.no_grad():
+        for m in model:
+            m.wk_weights_proj.weight.add_(1.0)  # the reload's new weights
+    finalize = glm5next_indexer_reload.make_finalize(lambda model, config: "done")
+    assert finalize(model, None) == "done"
+    assert [m._wp_fp32.data_ptr() for m in model] == pointers  # same storage
+    want = model[0].wk_weights_proj.weight[4:].t().float()
+    assert torch.equal(model[0]._wp_fp32, want)  # refilled
+    assert not torch.equal(model[1]._wp_fp32, model[1].wk_weights_proj.weight[4:].t())
+
+
+def test_an_indexer_without_its_copy_yet_is_left_alone():
+    indexer = _indexer()
+    indexer._wp_fp32 = None  # a first load: the first forward has not run
+    assert glm5next_indexer_reload.refill(torch.nn.Sequential(indexer)) == 0
+
+
+def test_vllms_indexer_keeps_the_copy_this_patch_refills():
+    import importlib
+    import inspect
+
+    attention = importlib.import_module(glm5next_indexer_reload.INDEXER_MODULE)
+    patch = _patch("glm5next_indexer_reload")
+    minor = installed_minor()
+    forward = inspect.getsource(attention.Indexer.forward)
+    assert "self._wp_fp32" in forward
+    if patch.upstream_in(minor) is None:  # 0.32 / 0.33: made once, in the first forward
+        assert "if self._wp_fp32 is None" in forward
+    else:  # 0.34: refilled at every post-load
+        post_load = inspect.getsource(attention.Indexer.process_weights_after_loading)
+        assert "refill_derived" in post_load

@@ -37,6 +37,15 @@ the two agree and that every target exists in the installed vLLM):
     reloaded experts are read unpacked
     removal: when vLLM re-runs the experts' post-load on weight updates
 
+``glm5next_indexer_reload`` (feature ``lifecycle``)
+    versions: 0.32, 0.33, 0.34; not applied on 0.34: the indexer refills _wp_fp32 in its
+    process_weights_after_loading
+    target: ``vllm.model_executor.model_loader.reload.layerwise``
+    ``.finalize_layerwise_processing``
+    why: GLM-5.3-Flash's indexer keeps an fp32 copy of its head-weight projection made at its
+    first forward, so after a reload it weights its heads with the old weights
+    removal: with vLLM 0.33
+
 ``mla_v_up_proj`` (feature ``query``)
     versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.layers.attention.mla_attention``
@@ -362,6 +371,23 @@ PATCHES: tuple[Patch, ...] = (
         removal="when vLLM re-runs the experts' post-load on weight updates",
         factory="vllm_mla.vllm.patches.cpu_moe_reload_prepack:make_setup_kernel",
         platforms=("cpu",),
+    ),
+    Patch(
+        name="glm5next_indexer_reload",
+        feature="lifecycle",
+        module="vllm.model_executor.model_loader.reload.layerwise",
+        qualname="finalize_layerwise_processing",
+        params=("model", "model_config"),
+        versions=SUPPORTED_VLLM,
+        upstream_at=(
+            ("0.34", "the indexer refills _wp_fp32 in its process_weights_after_loading"),
+        ),
+        why="GLM-5.3-Flash's indexer keeps an fp32 copy of its head-weight projection made "
+        "at its first forward, so after a reload it weights its heads with the old weights",
+        how="after the original, every GLM-5.3-Flash indexer holding the copy has it refilled "
+        "in place from the reloaded weight (vLLM's own expression)",
+        removal="with vLLM 0.33",
+        factory="vllm_mla.vllm.patches.glm5next_indexer_reload:make_finalize",
     ),
     Patch(
         name="mla_v_up_proj",
