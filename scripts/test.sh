@@ -16,7 +16,9 @@
 #                                        leaves it out
 # Tiers: VLLM_MLA_TEST_MATRIX=full runs every row of the topology matrix
 # (tests_e2e/test_topology.py: TP 1/2/3 padded/4 x DCP 1/2/3/4 x MTP 0/3 x interleave
-# 1/16/64 x both record formats, about 25 min more on 2 cores) in place of its ci rows;
+# 1/16/64 x both record formats, about 25 min more on 2 cores) in place of its ci rows,
+# and the engines CI leaves to it (tests_e2e conftest.full_tier: DCP 2 vs DCP 1 at TP 2,
+# the nvfp4 TP 2 / DCP 2 / MTP 3 deployment; about 3 min), shapes the ci rows cover;
 # VLLM_MLA_TOPOLOGY_TABLE=FILE writes the matrix table there.
 # The last two run once per level in VLLM_MLA_TEST_ISAS (default "native avx2"): native is
 # the host as it is; avx2 hides AVX-512 and AMX (VLLM_MLA_CPU_ISA, vllm_mla/cpu_isa.py),

@@ -148,6 +148,13 @@ def run_engine_jobs(
     return reports
 
 
+# The e2e tiers (``VLLM_MLA_TEST_MATRIX``, scripts/test.sh): ``ci`` (the default) runs what
+# CI runs; ``full`` also runs every row of the topology matrix and the engines CI leaves to
+# it (``full_tier``: parallel shapes the ci rows already cover in another combination).
+TIER = os.environ.get("VLLM_MLA_TEST_MATRIX", "ci")
+if TIER not in ("ci", "full"):
+    raise ValueError(f"VLLM_MLA_TEST_MATRIX must be ci or full, got {TIER!r}")
+full_tier = pytest.mark.skipif(TIER != "full", reason="full tier: VLLM_MLA_TEST_MATRIX=full")
 KV_DTYPES = {"bfloat16": "bf16", "fp8": "fp8_ds_mla"}  # requested -> record format served
 # nvfp4_ds_mla records: their own engines (test_nvfp4_engine, the topology's CI row)
 NVFP4 = "nvfp4_ds_mla"

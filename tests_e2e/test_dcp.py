@@ -20,6 +20,10 @@ latent element, an index key), the flips that model bounds.
 
 Control: vLLM CPU's own dense MLA backend refuses DCP at worker start-up (its impl
 cannot return the decode LSE).
+
+Tier: the engine pairs run in the full tier (``VLLM_MLA_TEST_MATRIX=full``); CI's topology
+rows run DCP 2-4 against TP 1 with both record formats, interleaves and MTP. The control
+runs in CI.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import sys
 
 import pytest
 from compare import assert_sparse_match
-from conftest import ENGINE_TIMEOUT_S, HERE, KV_DTYPES, run_engine_jobs
+from conftest import ENGINE_TIMEOUT_S, HERE, KV_DTYPES, full_tier, run_engine_jobs
 from engine_job import SPARSE_BACKEND
 
 pytestmark = pytest.mark.topology  # once per suite, not per forced ISA
@@ -56,6 +60,7 @@ def dcp_engines(sparse_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
     return reports
 
 
+@full_tier
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_dcp2_generates_what_dcp1_generates(dcp_engines, kv, phase):
@@ -65,6 +70,7 @@ def test_dcp2_generates_what_dcp1_generates(dcp_engines, kv, phase):
     print(f"DCP 2 vs DCP 1, {kv}, {phase}: worst {c.worst:.2e}, median {c.median:.2e}")
 
 
+@full_tier
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_our_backend_and_indexer_served_every_rank(dcp_engines, kv):
     """Per rank (``states_first``, read in each worker): our backend with the requested

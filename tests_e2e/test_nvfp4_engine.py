@@ -1,6 +1,6 @@
 """nvfp4_ds_mla records (352 bytes a token) served end to end by vLLM CPU through
-B12X_MLA_SPARSE: the tiny DSA model (one MTP layer) at TP 1, and at the seeds' deployment
-shape cut to this CPU, TP 2 / DCP 2 / MTP 3, both engines side by side.
+B12X_MLA_SPARSE: the tiny DSA model (one MTP layer) at TP 1, and (full tier) at the seeds'
+deployment shape cut to this CPU, TP 2 / DCP 2 / MTP 3.
 
 - TP 1 against transformers' DeepseekV32 emulating vLLM's indexer and the nvfp4 records
   (``dsa_reference`` with the records' own codec): greedy tokens identical, top-5
@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 from compare import NVFP4_FLIP_SCALE, assert_sparse_match, compare
-from conftest import NVFP4
+from conftest import NVFP4, full_tier
 from dsa_reference import reference
 from engine_job import MAX_TOKENS
 
@@ -73,6 +73,7 @@ def test_served_with_our_writer_and_reader(nvfp4_tp1):
 # format (fp8_ds_mla too), while TP 1 + MTP 3 and TP 2 alone pass; that run's vLLM CPU logs
 # its SHM communicator disabled (torch.distributed in its place). Open: README, parallelism.
 @pytest.mark.topology
+@full_tier  # CI runs nvfp4 at TP 4 / DCP 4 / MTP 3 in the topology's ci row
 def test_deployment_shape_gives_tp1s_greedy_tokens(nvfp4_deployment, nvfp4_tp1):
     """TP 2 / DCP 2 / MTP 3 with nvfp4 records: TP 1's greedy tokens, both checkpoints;
     every rank wrote and read nvfp4 records on its DCP shard; MTP drafted 3 a step."""

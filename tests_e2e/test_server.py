@@ -124,7 +124,10 @@ def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
     log = serve_one_completion(models["first"], tmp_path)
     # the plugin registered in the serving processes (front end and engine core)
     summary = next(line for line in log.splitlines() if "vllm-mla 0.32" in line)
-    assert "applied cpu-mxfp8, lifecycle, query, sparse, sparse-cpu, wake-check" in summary
+    assert (
+        "applied cpu-mxfp8, lifecycle, lifecycle-cpu, query, sparse, sparse-cpu, wake-check"
+        in summary
+    )
     assert "not applied: sparse-indexer (for cuda only)" in summary and len(summary) < 400
     assert "lifecycle: applied MLAAttention.process_weights_after_loading" in log  # DEBUG
     assert "registered B12X_MLA_SPARSE" in log and "vllm_mla.register()" in log
