@@ -10,6 +10,8 @@ third of the longest context (the 80-token prompt plus 8 generated): the indexer
 tokens, so which ones it keeps decides the output (``test_the_selection_decides``). Two
 engines (KV cache ``bfloat16`` records and ``fp8`` -> ``fp8_ds_mla``), plugin on, fp32, three
 prompts in one batch, then ``reload_weights`` with a second checkpoint (``engine_job.py``).
+The checkpoint also carries one MTP layer (vLLM's ``HYV4MTP`` draft), which the TP 2 / DCP 2
+engine runs with 3 speculative tokens (marker ``topology``).
 
 The reference (``hyv4_reference``) is transformers' own HY-V4 in fp32, eager, its sink
 included, with vLLM's interleaved RoPE layout (transformers 5.19 rotates halves: a different
@@ -45,6 +47,7 @@ from hyv4_reference import reference
 from vllm_mla.tools.tinymodel import TinyModelSpec, hyv4_indexer_types, make_model
 
 LAYERS = 3
+MTP_LAYERS = 1  # vLLM's HYV4MTP draft (drawn last: the model is the same without it)
 INDEX_TOPK = 16
 # An index near-tie: the last selected and the best dropped candidate's scores closer than
 # fp32 summation noise allows to order the same way everywhere. A score sums 128 exact e4m3
@@ -54,7 +57,9 @@ INDEX_TIE_RELATIVE = 1e-5
 
 
 def spec(seed: int) -> TinyModelSpec:
-    return TinyModelSpec(arch="hy-v4", layers=LAYERS, index_topk=INDEX_TOPK, seed=seed)
+    return TinyModelSpec(
+        arch="hy-v4", layers=LAYERS, index_topk=INDEX_TOPK, seed=seed, mtp_layers=MTP_LAYERS
+    )
 
 
 @pytest.fixture(scope="session")
@@ -191,13 +196,18 @@ def test_reload_serves_the_second_checkpoint(hyv4_models, hyv4_engine, prompt_id
     assert_sparse_match(hyv4_engine["bfloat16"]["reloaded"], want)
 
 
-# -- TP 2 / DCP 2 (marker topology): the sink sharded per head, counted once -------------
-TP2_DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+# -- TP 2 / DCP 2 / MTP 3 (marker topology): the sink per head, counted once ---------------
+TP2_DCP2 = {
+    "tensor_parallel_size": 2,
+    "decode_context_parallel_size": 2,
+    "speculative_config": {"method": "mtp", "num_speculative_tokens": 3},
+}
 
 
 @pytest.fixture(scope="session")
 def hyv4_tp2_dcp2(hyv4_models, tmp_path_factory) -> dict:
-    """The bf16-record engine at TP 2 / DCP 2 (one CPU core per rank), first and reloaded."""
+    """The bf16-record engine at TP 2 / DCP 2 with HY-V4's MTP draft proposing 3 tokens a
+    step (one CPU core per rank), first and reloaded."""
     job = sparse_jobs(hyv4_models, engine=TP2_DCP2)["bfloat16"]
     return run_engine_jobs({"tp2": job}, tmp_path_factory.mktemp("hyv4-tp2"))["tp2"]
 
@@ -216,17 +226,19 @@ def checkpoint_sinks(model_dir) -> list[list[float]]:
 
 @pytest.mark.topology
 @pytest.mark.parametrize("phase", ["first", "reloaded"])
-def test_tp2_dcp2_matches_the_reference_with_the_sink_counted_once(
+def test_tp2_dcp2_mtp3_matches_the_reference_with_the_sink_counted_once(
     hyv4_models, hyv4_tp2_dcp2, prompt_ids, phase
 ):
-    """TP 2 / DCP 2: each rank holds its 2 heads' sinks (TP shards them per head, reload
-    included), its kernel calls see the group's 4 heads (vLLM gathers the query heads of
-    the DCP group) with the sinks on DCP rank 0 only, and the generation matches the fp32
-    reference within TP 1's tolerance (the LSE merge and the TP all-reduce add fp32 terms
-    in another order: rounding far below the bound)."""
+    """TP 2 / DCP 2 / MTP 3: each rank holds its 2 heads' sinks (TP shards them per head,
+    reload included), its kernel calls see the group's 4 heads (vLLM gathers the query
+    heads of the DCP group) with the sinks on DCP rank 0 only, HY-V4's MTP draft proposed
+    3 tokens a step (verified by the target, so the output is the target's), and the
+    generation matches the fp32 reference within TP 1's tolerance (the LSE merge, the TP
+    all-reduce and the verify batches add fp32 terms in another order: rounding far below
+    the bound)."""
     model = hyv4_models["first" if phase == "first" else "second"]
     c = assert_sparse_match(hyv4_tp2_dcp2[phase], reference(model, prompt_ids, MAX_TOKENS, "bf16"))
-    print(f"TP 2 / DCP 2 {phase}: worst {c.worst:.2e} at {c.worst_at}, median {c.median:.2e}")
+    print(f"TP 2 / DCP 2 / MTP 3 {phase}: worst {c.worst:.2e}, median {c.median:.2e}")
     sinks = checkpoint_sinks(model)
     states = hyv4_tp2_dcp2[f"states_{phase}"]
     assert len({s["telemetry"]["pid"] for s in states}) == 2
@@ -238,3 +250,10 @@ def test_tp2_dcp2_matches_the_reference_with_the_sink_counted_once(
             assert held["call"] == pytest.approx(want)
         counts = state["telemetry"]["sparse"]
         assert counts[f"forward_mqa:reference:dcp{rank}/2"] >= MAX_TOKENS * LAYERS
+    if phase == "first":
+        spec = hyv4_tp2_dcp2["spec_decode_first"]
+        assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 3 * spec["num_drafts"]
+        for draft in hyv4_tp2_dcp2["drafts_first"]:  # every rank holds the draft's MLA layer
+            assert list(draft["pair_shapes"]) == [
+                f"model.layers.{LAYERS}.mtp_block.self_attn.mla_attn"
+            ]

@@ -145,8 +145,9 @@ class TinyModelSpec:
         unsupported = {
             "kv_b_format": (self.kv_b_format, "fp32"),
             "kv_b_exact": (self.kv_b_exact, False),
-            "mtp_layers": (self.mtp_layers, 0),
         }
+        if self.arch == "glm5-next":
+            unsupported["mtp_layers"] = (self.mtp_layers, 0)
         for name, (value, only) in unsupported.items():
             if value != only:
                 raise MakeModelError(
@@ -340,6 +341,7 @@ def hyv4_config_dict(spec: TinyModelSpec, vocab: int) -> dict:
         "learnable_sink": True,
         "learnable_sink_init": 0.0,
         "enable_lm_head_fp32": True,
+        "num_nextn_predict_layers": spec.mtp_layers,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "torch_dtype": "float32",
     }
@@ -457,11 +459,9 @@ def _hyv4_weights(spec: TinyModelSpec, vocab: int, gen, normal) -> dict[str, tor
             f"{prefix}_scale": 0.1 + 0.05 * torch.rand(scales, generator=gen),
         }
 
-    out = {"model.embed_tokens.weight": normal(vocab, d)}
-    types = hyv4_indexer_types(spec.layers)
-    for i in range(spec.layers):
-        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
-        out |= {
+    def layer(p: str, moe_layer: bool, indexer: bool, streams: bool) -> dict[str, torch.Tensor]:
+        a = f"{p}.self_attn"
+        out = {
             f"{p}.input_layernorm.weight": torch.ones(d),
             f"{p}.post_attention_layernorm.weight": torch.ones(d),
             f"{a}.q_a_proj.weight": normal(r, d),
@@ -474,7 +474,7 @@ def _hyv4_weights(spec: TinyModelSpec, vocab: int, gen, normal) -> dict[str, tor
             f"{a}.linear_gate.weight": normal(h * HYV4_V_HEAD, d),
             f"{a}.learnable_sink_param": spec.sink_logit + torch.randn(h, generator=gen),
         }
-        if types[i] == "full":
+        if indexer:
             out |= {
                 f"{a}.indexer.wq_b.weight": normal(n * hd, r),
                 f"{a}.indexer.wk.weight": normal(hd, d),
@@ -482,27 +482,42 @@ def _hyv4_weights(spec: TinyModelSpec, vocab: int, gen, normal) -> dict[str, tor
                 f"{a}.indexer.k_norm.bias": torch.zeros(hd),
                 f"{a}.indexer.weights_proj.weight": normal(n, d),
             }
-        out |= hyper(f"{p}.hc_attn_layer.hc_pre.hc", 2 * hc, 2)
-        out |= hyper(f"{p}.hc_mlp_layer.hc_pre.hc", 2 * hc, 2)
-        if i == 0:  # dense
-            out |= {
+        if streams:
+            out |= hyper(f"{p}.hc_attn_layer.hc_pre.hc", 2 * hc, 2)
+            out |= hyper(f"{p}.hc_mlp_layer.hc_pre.hc", 2 * hc, 2)
+        if not moe_layer:
+            return out | {
                 f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
                 f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
                 f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
             }
-        else:
-            out |= {
-                f"{p}.mlp.gate.weight": normal(e, d),
-                f"{p}.mlp.gate.e_score_correction_bias": 0.1 * torch.randn(e, generator=gen),
-                f"{p}.mlp.experts.gate_up_proj": normal(e, 2 * moe, d),
-                f"{p}.mlp.experts.down_proj": normal(e, d, moe),
-                f"{p}.mlp.shared_experts.gate_proj.weight": normal(moe, d),
-                f"{p}.mlp.shared_experts.up_proj.weight": normal(moe, d),
-                f"{p}.mlp.shared_experts.down_proj.weight": normal(d, moe),
-            }
+        return out | {
+            f"{p}.mlp.gate.weight": normal(e, d),
+            f"{p}.mlp.gate.e_score_correction_bias": 0.1 * torch.randn(e, generator=gen),
+            f"{p}.mlp.experts.gate_up_proj": normal(e, 2 * moe, d),
+            f"{p}.mlp.experts.down_proj": normal(e, d, moe),
+            f"{p}.mlp.shared_experts.gate_proj.weight": normal(moe, d),
+            f"{p}.mlp.shared_experts.up_proj.weight": normal(moe, d),
+            f"{p}.mlp.shared_experts.down_proj.weight": normal(d, moe),
+        }
+
+    out = {"model.embed_tokens.weight": normal(vocab, d)}
+    types = hyv4_indexer_types(spec.layers)
+    for i in range(spec.layers):
+        out |= layer(f"model.layers.{i}", i > 0, types[i] == "full", True)
     out |= hyper("model.hc_head.hc_head", hc, 1)
     out["model.norm.weight"] = torch.ones(d)
     out["lm_head.weight"] = normal(vocab, d)
+    # MTP layers (HY-V4's names; drawn last: the model is the same with or without them),
+    # each a MoE layer with its own indexer and without iHC (vLLM's HYV4MTP builds them so)
+    for j in range(spec.mtp_layers):
+        p = f"model.mtp_layers.{j}"
+        out |= layer(p, True, True, False) | {
+            f"{p}.enorm.weight": torch.ones(d),
+            f"{p}.hnorm.weight": torch.ones(d),
+            f"{p}.eh_proj.weight": normal(d, 2 * d),
+            f"{p}.final_layernorm.weight": torch.ones(d),
+        }
     return out
 
 
