@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -276,7 +277,7 @@ def test_hyv4_weights_follow_the_seed_and_the_default_is_unchanged():
         ({"layers": 1}, "needs --layers >= 2"),
         ({"kv_b_format": "mxfp8"}, "--kv-b-format 'mxfp8' is not made for --arch hy-v4"),
         ({"kv_b_exact": True}, "--kv-b-exact True is not made"),
-        ({"mtp_layers": 1}, "--mtp-layers 1 is not made"),
+        ({"mtp_layers": -1}, "--mtp-layers must be >= 0"),
         ({"experts_per_tok": 5}, "--experts-per-tok 5 > --experts 4"),
         ({"hc_mult": 0}, "--hc-mult must be >= 1"),
         ({"index_head_dim": 64}, "index-head-dim must be 128"),
@@ -285,6 +286,23 @@ def test_hyv4_weights_follow_the_seed_and_the_default_is_unchanged():
 def test_bad_hyv4_specs_name_the_setting(change, message):
     with pytest.raises(MakeModelError, match=message):
         TinyModelSpec(**{"arch": "hy-v4", **change})
+
+
+def test_hyv4_mtp_layers_add_hyv4s_mtp_names_and_leave_the_model_as_it_is():
+    """``mtp_layers`` for HY-V4: ``model.mtp_layers.{j}.`` (vLLM's HYV4MTP names), a MoE
+    layer with its own indexer, no iHC, plus enorm / hnorm / eh_proj / final_layernorm;
+    drawn last, so every other tensor equals the model's without them."""
+    plain = weights(HYV4, 320)
+    with_mtp = weights(dataclasses.replace(HYV4, mtp_layers=1), 320)
+    extra = set(with_mtp) - set(plain)
+    assert set(plain) <= set(with_mtp)
+    assert all(torch.equal(plain[k], with_mtp[k]) for k in plain)
+    assert extra and all(k.startswith("model.mtp_layers.0.") for k in extra)
+    p = "model.mtp_layers.0."
+    assert {p + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight")} <= extra
+    assert p + "self_attn.indexer.wq_b.weight" in extra and p + "mlp.gate.weight" in extra
+    assert not any("hc_" in k for k in extra)
+    assert with_mtp[p + "eh_proj.weight"].shape == (HYV4.hidden, 2 * HYV4.hidden)
 
 
 def test_cli_make_model_hyv4(tmp_path, capsys):

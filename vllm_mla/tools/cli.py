@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mtp-layers",
         type=int,
         default=0,
-        help="with --sparse: multi-token-prediction layers for speculative decoding (default 0)",
+        help="with --sparse or --arch hy-v4: multi-token-prediction layers for speculative "
+        "decoding (default 0)",
     )
     m.add_argument(
         "--arch",

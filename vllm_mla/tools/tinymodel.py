@@ -18,6 +18,9 @@ layers after the decoder layers, under the names DeepSeek-V3 checkpoints use and
 ``shared_head.norm``, ``shared_head.head`` and a whole decoder layer, indexer included),
 ``num_nextn_predict_layers`` set: speculative decoding with ``method="mtp"``. transformers
 has no MTP layers and warns about those weights, so the MTP folder is for vLLM runs only.
+With ``arch="hy-v4"`` they are HY-V4's (``model.mtp_layers.{j}.``: ``enorm``, ``hnorm``,
+``eh_proj``, ``final_layernorm`` and a MoE decoder layer with its own indexer, no iHC:
+what vLLM's ``HYV4MTP`` loads; transformers ignores them).
 
 With ``kv_b_format="fp8-block"`` kv_b_proj is stored as DeepSeek block FP8 (e4m3
 ``weight`` + fp32 ``weight_scale_inv`` per 128x128) and every other layer stays
