@@ -20,6 +20,7 @@ import json, sys
 from vllm_mla import cpu_isa
 level = cpu_isa.apply(sys.argv[1] if len(sys.argv) > 1 else None)
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 print(json.dumps({
     "level": level,
     "applied": cpu_isa.applied(),
@@ -27,6 +28,8 @@ print(json.dumps({
     "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
     "amx": torch.cpu._is_amx_tile_supported(),
     "capability": torch.backends.cpu.get_cpu_capability(),
+    "inductor_cache": cache_dir(),
+    "inductor_default": default_cache_dir(),
 }))
 """
 
@@ -36,7 +39,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def probe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",)}
+    own = ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")
+    clean = {k: v for k, v in os.environ.items() if k not in own}
     return subprocess.run(
         [sys.executable, "-c", PROBE, *args],
         capture_output=True,
@@ -57,6 +61,19 @@ def test_avx2_hides_avx512_bf16_and_amx_from_torch_and_its_kernels():
     assert seen["level"] == seen["applied"] == "avx2"
     assert not (seen["avx512"] or seen["avx512_bf16"] or seen["amx"])
     assert seen["capability"] in ("AVX2", "DEFAULT")  # DEFAULT: a host below AVX2
+
+
+def test_each_capped_level_compiles_into_its_own_inductor_cache(tmp_path):
+    """Inductor's caches are not keyed on the cap: a graph compiled at native and loaded
+    under avx2 served a bf16 model wrongly (vllm_mla.cpu_isa.inductor_cache_dir)."""
+    native, avx2 = run("native"), run("avx2")
+    assert native["inductor_cache"] == native["inductor_default"]
+    assert avx2["inductor_cache"] == os.path.join(avx2["inductor_default"], "vllm-mla-isa-avx2")
+    assert run("avx512")["inductor_cache"] != avx2["inductor_cache"]
+    # inside the user's own cache; a worker inheriting the variable keeps it
+    mine = run("avx2", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})["inductor_cache"]
+    assert mine == str(tmp_path / "vllm-mla-isa-avx2")
+    assert run("avx2", env={"TORCHINDUCTOR_CACHE_DIR": mine})["inductor_cache"] == mine
 
 
 def test_the_level_comes_from_the_environment():

@@ -116,14 +116,17 @@ class Decisions:
 
 class BoundaryMargins(Decisions):
     """Records, per selection with more candidates than ``topk``, the relative gap between
-    the last selected score and the best dropped one: ``(s_k - s_{k+1}) / |s_1|``. A gap
+    the last selected score and the best dropped one: ``(s_k - s_{k+1}) / |s_1|``, and
+    where it was taken (``at``: the number of the ``selected`` call, the query row). A gap
     below the scoring's own rounding noise is an index near-tie another summation order
-    could flip (``near_ties``)."""
+    could flip (``near_ties``; ``FlipAt`` flips one)."""
 
     def __init__(self, topk: int, grain: int = 1) -> None:
         self.topk = topk  # in candidates: tokens, or pools of ``grain`` tokens (kpool)
         self.grain = grain
         self.gaps: list[float] = []
+        self.at: list[tuple[int, int]] = []
+        self._calls = 0
 
     def selected(self, layer: int, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
         for t in range(scores.shape[0]):
@@ -131,10 +134,40 @@ class BoundaryMargins(Decisions):
             if row.numel() > self.topk:
                 top = row.topk(self.topk + 1).values
                 self.gaps.append(float((top[-2] - top[-1]) / top[0].abs().clamp(min=1e-30)))
+                self.at.append((self._calls, t))
+        self._calls += 1
         return picked
 
     def near_ties(self, relative: float) -> int:
         return sum(gap < relative for gap in self.gaps)
+
+    def closest(self, n: int) -> list[tuple[int, int]]:
+        """Where the ``n`` smallest gaps were (the decisions noise flips first)."""
+        order = sorted(range(len(self.gaps)), key=self.gaps.__getitem__)
+        return [self.at[i] for i in order[:n]]
+
+
+class FlipAt(Decisions):
+    """One selection forced the other way: at ``at`` (from ``BoundaryMargins``, recorded on
+    the same inputs) the last selected candidate gives its place to the best dropped one,
+    what a host whose rounding lands on the other side of that near-tie selects."""
+
+    def __init__(self, at: tuple[int, int], topk: int, grain: int = 1) -> None:
+        self.call, self.row = at
+        self.topk, self.grain = topk, grain
+        self._calls = 0
+
+    def selected(self, layer: int, scores: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        self._calls += 1
+        if self._calls - 1 != self.call:
+            return picked
+        t = self.row
+        order = scores[t, : (t + 1) // self.grain].topk(self.topk + 1).indices
+        out = picked.clone()
+        slot = (out[t] == order[-2]).nonzero()
+        assert slot.numel() == 1, f"row {t}: {order[-2]} not selected once in {out[t].tolist()}"
+        out[t, slot[0, 0]] = order[-1]
+        return out
 
 
 @contextlib.contextmanager

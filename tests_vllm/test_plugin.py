@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,25 +25,42 @@ def test_installed_vllm_is_supported():
 
 
 _HYV4_UPSTREAM = "hyv4_sink_reload not needed: its sink has a weight loader (make_attention_sink)"
+_HYV4_MODULE = "vllm.models.hy_v4.nvidia.model"
+
+
+@pytest.fixture
+def hyv4_when() -> str:
+    """What the line says of the on-import patch: applied at once where an earlier test
+    already imported its module, deferred otherwise (read before ``registered`` runs,
+    which itself may import it)."""
+    return "" if _HYV4_MODULE in sys.modules else f" (when {_HYV4_MODULE} is imported)"
+
+
 LIFECYCLE = {  # what the lifecycle feature applies, per vLLM version
-    "0.32": "applied MLAAttention.process_weights_after_loading, "
-    "_copy_and_restore_kernel_tensors, HYV4Model.load_weights (when "
-    "vllm.models.hy_v4.nvidia.model is imported), finalize_layerwise_processing",
-    "0.33": "applied MLAAttention.process_weights_after_loading, "
-    f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_HYV4_UPSTREAM}",
-    "0.34": "applied MLAAttention.process_weights_after_loading, "
-    f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_indexer_reload not "
-    "needed: the indexer refills _wp_fp32 in its process_weights_after_loading",
+    "0.32": lambda when: (
+        "applied MLAAttention.process_weights_after_loading, "
+        f"_copy_and_restore_kernel_tensors, HYV4Model.load_weights{when}, "
+        "finalize_layerwise_processing"
+    ),
+    "0.33": lambda when: (
+        "applied MLAAttention.process_weights_after_loading, "
+        f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_HYV4_UPSTREAM}"
+    ),
+    "0.34": lambda when: (
+        "applied MLAAttention.process_weights_after_loading, "
+        f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_indexer_reload not "
+        "needed: the indexer refills _wp_fp32 in its process_weights_after_loading"
+    ),
 }
 
 
-def test_register_patches_the_lifecycle_target(registered):
+def test_register_patches_the_lifecycle_target(hyv4_when, registered):
     assert registered["sparse"].startswith("applied _canonicalize_sparse_mla_kv_cache_dtype")
     assert registered["sparse-cpu"].startswith(  # this environment's platform is the CPU
         "applied CpuPlatform.get_attn_backend_cls, CpuPlatform.check_and_update_config"
     )
     assert {k: v for k, v in registered.items() if not k.startswith("sparse")} == {
-        "lifecycle": LIFECYCLE[patches.installed_minor()],
+        "lifecycle": LIFECYCLE[patches.installed_minor()](hyv4_when),
         "lifecycle-cpu": "applied UnquantizedFusedMoEMethod._setup_kernel",
         "query": "applied MLAAttention._v_up_proj; fused query projection "
         "(_DecodeConcatQuantFP8.register_oot, forward_mqa wrap; VLLM_MLA_QUERY=auto)",

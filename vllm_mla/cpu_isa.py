@@ -23,7 +23,9 @@ an AMX host, so a host without AMX checks what an AMX host decides. Nothing may 
 an AMX instruction, so it is refused where vLLM CPU's kernel libraries are installed and
 the host has no AMX tiles; it serves the CUDA wheel's CPU platform mode (the vLLM-class
 tests), which has no CPU kernels at all. AMX FP16 stays the host's answer (Sapphire
-Rapids has AMX tiles without it). ``apply()`` must run before vLLM imports its kernels; the test
+Rapids has AMX tiles without it). Each level but ``native`` compiles into its own torch
+inductor cache (``inductor_cache_dir``).
+``apply()`` must run before vLLM imports its kernels; the test
 environments run it at interpreter start-up (a ``.pth`` file written by
 ``scripts/setup.sh``), so vLLM's spawned workers see the same CPU.
 """
@@ -74,6 +76,7 @@ def apply(level: str | None = None) -> str:
     if level in _CLAIMED:
         _refuse_claim_over_kernels(level)
         _applied = level
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(level)
         import torch.cpu
 
         for feature in _CLAIMED[level]:
@@ -87,6 +90,7 @@ def apply(level: str | None = None) -> str:
     # before torch is imported: both are read once, at first use
     os.environ.setdefault("ATEN_CPU_CAPABILITY", _TORCH_CAP[level])
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP[level])
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(level)
     import torch.cpu
 
     visible = _VISIBLE[level]
@@ -98,6 +102,26 @@ def apply(level: str | None = None) -> str:
             continue  # the host's own answer
         setattr(torch.cpu, name, _answering(name, False))
     return level
+
+
+def inductor_cache_dir(level: str) -> str:
+    """The torch inductor cache this level uses: its own folder, inside the one the user
+    set (``TORCHINDUCTOR_CACHE_DIR``) or beside inductor's default.
+
+    Inductor's caches are not keyed on the cap: graphs vLLM CPU compiled for a tiny
+    bf16 GLM-5.3-Flash at ``native``, loaded from the shared cache under an ``avx2`` cap,
+    served it with log-probabilities 0.5 nats off (the size of a scoring fault; a fresh
+    cache at ``avx2`` serves it as ``native`` does). Idempotent: vLLM's workers inherit
+    the variable and apply the level again."""
+    leaf = f"vllm-mla-isa-{level}"
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:  # imports torch: call it after the variables torch reads at import
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        base = default_cache_dir()
+    if os.path.basename(os.path.normpath(base)) == leaf:
+        return base
+    return os.path.join(base, leaf)
 
 
 def _answering(name: str, answer: bool):
