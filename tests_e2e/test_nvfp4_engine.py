@@ -68,10 +68,9 @@ def test_served_with_our_writer_and_reader(nvfp4_tp1):
     assert report["first"] != report["reloaded"]  # the second checkpoint really serves
 
 
-# Once, at the host's ISA, as the topology matrix: with AVX2 forced, TP 2 + MTP 3 stops
-# in the target's embed_tokens (IndexError: a token id past the vocabulary) for every record
-# format (fp8_ds_mla too), while TP 1 + MTP 3 and TP 2 alone pass; that run's vLLM CPU logs
-# its SHM communicator disabled (torch.distributed in its place). Open: README, parallelism.
+# Once, at the host's ISA, as the topology matrix. (With AVX2 forced it passes too, by
+# hand; the IndexError once seen there was graphs compiled at native loaded from a shared
+# inductor cache: vllm_mla.cpu_isa.inductor_cache_dir.)
 @pytest.mark.topology
 @full_tier  # CI runs nvfp4 at TP 4 / DCP 4 / MTP 3 in the topology's ci row
 def test_deployment_shape_gives_tp1s_greedy_tokens(nvfp4_deployment, nvfp4_tp1):

@@ -111,7 +111,8 @@ def inductor_cache_dir(level: str) -> str:
     Inductor's caches are not keyed on the cap: graphs vLLM CPU compiled for a tiny
     bf16 GLM-5.3-Flash at ``native``, loaded from the shared cache under an ``avx2`` cap,
     served it with log-probabilities 0.5 nats off (the size of a scoring fault; a fresh
-    cache at ``avx2`` serves it as ``native`` does). Idempotent: vLLM's workers inherit
+    cache at ``avx2`` serves it as ``native`` does), and an ``avx512`` engine loading that
+    cache aborted (``free(): invalid pointer``). Idempotent: vLLM's workers inherit
     the variable and apply the level again."""
     leaf = f"vllm-mla-isa-{level}"
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
