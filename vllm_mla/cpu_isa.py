@@ -106,7 +106,7 @@ def apply(level: str | None = None) -> str:
 
 def inductor_cache_dir(level: str) -> str:
     """The torch inductor cache this level uses: its own folder, inside the one the user
-    set (``TORCHINDUCTOR_CACHE_DIR``) or beside inductor's default.
+    set (``TORCHINDUCTOR_CACHE_DIR``) or inside inductor's default.
 
     Inductor's caches are not keyed on the cap: graphs vLLM CPU compiled for a tiny
     bf16 GLM-5.3-Flash at ``native``, loaded from the shared cache under an ``avx2`` cap,
