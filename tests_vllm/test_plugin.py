@@ -36,21 +36,15 @@ def hyv4_when() -> str:
     return "" if _HYV4_MODULE in sys.modules else f" (when {_HYV4_MODULE} is imported)"
 
 
-LIFECYCLE = {  # what the lifecycle feature applies, per vLLM version
-    "0.32": lambda when: (
-        "applied MLAAttention.process_weights_after_loading, "
-        f"_copy_and_restore_kernel_tensors, HYV4Model.load_weights{when}, "
-        "finalize_layerwise_processing"
-    ),
-    "0.33": lambda when: (
-        "applied MLAAttention.process_weights_after_loading, "
-        f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_HYV4_UPSTREAM}"
-    ),
-    "0.34": lambda when: (
-        "applied MLAAttention.process_weights_after_loading, "
-        f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_indexer_reload not "
-        "needed: the indexer refills _wp_fp32 in its process_weights_after_loading"
-    ),
+LIFECYCLE = {  # what the lifecycle feature applies, per vLLM version ({when}: hyv4_when)
+    "0.32": "applied MLAAttention.process_weights_after_loading, "
+    "_copy_and_restore_kernel_tensors, HYV4Model.load_weights{when}, "
+    "finalize_layerwise_processing",
+    "0.33": "applied MLAAttention.process_weights_after_loading, "
+    f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_HYV4_UPSTREAM}",
+    "0.34": "applied MLAAttention.process_weights_after_loading, "
+    f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_indexer_reload not "
+    "needed: the indexer refills _wp_fp32 in its process_weights_after_loading",
 }
 
 
@@ -60,7 +54,7 @@ def test_register_patches_the_lifecycle_target(hyv4_when, registered):
         "applied CpuPlatform.get_attn_backend_cls, CpuPlatform.check_and_update_config"
     )
     assert {k: v for k, v in registered.items() if not k.startswith("sparse")} == {
-        "lifecycle": LIFECYCLE[patches.installed_minor()](hyv4_when),
+        "lifecycle": LIFECYCLE[patches.installed_minor()].format(when=hyv4_when),
         "lifecycle-cpu": "applied UnquantizedFusedMoEMethod._setup_kernel",
         "query": "applied MLAAttention._v_up_proj; fused query projection "
         "(_DecodeConcatQuantFP8.register_oot, forward_mqa wrap; VLLM_MLA_QUERY=auto)",

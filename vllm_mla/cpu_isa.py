@@ -73,34 +73,25 @@ def apply(level: str | None = None) -> str:
         if _applied != level:
             raise ValueError(f"CPU ISA already capped at {_applied!r} in this process")
         return level
+    if level == "native":
+        _applied = level
+        return level
     if level in _CLAIMED:
         _refuse_claim_over_kernels(level)
-        _applied = level
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(level)
-        import torch.cpu
-
-        for feature in _CLAIMED[level]:
-            name = _QUERIES[feature]
-            if hasattr(torch.cpu, name):
-                setattr(torch.cpu, name, _answering(name, True))
-        return level
+        answers = dict.fromkeys(_CLAIMED[level], True)
+    else:
+        answers = {f: False for f in _QUERIES if f not in _VISIBLE[level]}
+        # before torch is imported: both are read once, at first use
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", _TORCH_CAP[level])
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP[level])
     _applied = level
-    if level == "native":
-        return level
-    # before torch is imported: both are read once, at first use
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", _TORCH_CAP[level])
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP[level])
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(level)
     import torch.cpu
 
-    visible = _VISIBLE[level]
-    for feature, name in _QUERIES.items():
-        original = getattr(torch.cpu, name, None)
-        if original is None:
-            continue
-        if feature in visible:
-            continue  # the host's own answer
-        setattr(torch.cpu, name, _answering(name, False))
+    for feature, answer in answers.items():
+        name = _QUERIES[feature]
+        if hasattr(torch.cpu, name):  # an older torch may lack a query
+            setattr(torch.cpu, name, _answering(name, answer))
     return level
 
 
