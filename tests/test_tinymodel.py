@@ -379,6 +379,8 @@ def test_glm5next_tensors_are_exactly_what_vllm_loads_on_the_bf16_grid(glm5):
         ({"kv_b_format": "mxfp8"}, "--kv-b-format 'mxfp8' is not made for --arch glm5-next"),
         ({"mtp_layers": 1}, "--mtp-layers 1 is not made for --arch glm5-next"),
         ({"index_head_dim": 64}, "index-head-dim must be 128"),
+        ({"kda": True, "layers": 3}, "--kda needs --layers >= 4"),
+        ({"mhc": True, "hc_mult": 1}, "--mhc needs --hc-mult >= 2, got 1"),
     ],
 )
 def test_bad_glm5next_specs_name_the_setting(change, message):
@@ -386,8 +388,53 @@ def test_bad_glm5next_specs_name_the_setting(change, message):
         TinyModelSpec(**{"arch": "glm5-next", **change})
 
 
+@pytest.mark.parametrize("flag", ["kda", "mhc"])
+@pytest.mark.parametrize("arch", ["deepseek", "hy-v4"])
+def test_kda_and_mhc_are_glm5next_only(arch, flag):
+    message = f"--{flag} is made for --arch glm5-next only, not {arch}"
+    with pytest.raises(MakeModelError, match=message):
+        TinyModelSpec(arch=arch, sparse=arch == "deepseek", **{flag: True})
+
+
+def test_glm5next_mhc_weights_are_vllms_per_layer_mixing_tensors(tmp_path):
+    spec = TinyModelSpec(arch="glm5-next", mhc=True, hidden=64, vocab=320)
+    folder = make_model(tmp_path / "mhc", spec)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["mhc"] and config["hc_mult"] == 4 and config["hc_sinkhorn_iters"] == 20
+    tensors = read(folder)
+    for i in range(2):
+        for block in ("attn", "ffn"):
+            p = f"model.layers.{i}.hc_{block}"
+            assert tensors[f"{p}_fn"].shape == (24, 4 * 64)  # (2 + n) n mixes of n streams
+            assert tensors[f"{p}_base"].shape == (24,) and tensors[f"{p}_scale"].shape == (3,)
+    plain = read(make_model(tmp_path / "plain", TinyModelSpec(arch="glm5-next", hidden=64)))
+    assert not any(".hc_" in name for name in plain)
+
+
+def test_glm5next_kda_layers_follow_the_checkpoints_pattern(tmp_path):
+    """Every fourth layer MLA (3, 7), the others KDA with the tensors vLLM loads (q/k/v/b/f_a
+    /g_a merged, three short convolutions ``[C, 1, W]``, the gate's bias and A_log)."""
+    spec = TinyModelSpec(arch="glm5-next", layers=8, kda=True, hidden=64, vocab=320)
+    folder = make_model(tmp_path / "kda", spec)
+    config = json.loads((folder / "config.json").read_text())
+    kinds = ["indexed_attention" if i in (3, 7) else "linear_attention" for i in range(8)]
+    assert config["layer_types"] == kinds
+    assert (config["linear_num_heads"], config["linear_head_dim"]) == (4, 128)
+    tensors = read(folder)
+    a = "model.layers.0.self_attn"
+    width = 4 * 128
+    assert tensors[f"{a}.q_conv1d.weight"].shape == (width, 1, 4)
+    assert tensors[f"{a}.A_log"].shape == (4,) and tensors[f"{a}.dt_bias"].shape == (width,)
+    assert tensors[f"{a}.f_b_proj.weight"].shape == (width, 128)
+    assert not any(n.startswith(f"{a}.indexer") or "kv_b_proj" in n for n in tensors if a in n)
+    assert "model.layers.3.self_attn.kv_b_proj.weight" in tensors
+
+
 def test_cli_make_model_glm5next(tmp_path, capsys):
     args = ["make-model", str(tmp_path / "g"), "--arch", "glm5-next", "--hidden", "64"]
     assert main([*args, "--vocab", "320", "--layers", "1"]) == 0
     assert "GLM-5.3-Flash, DSA top-32 of 32 index heads over pools of 16" in capsys.readouterr().out
     assert json.loads((tmp_path / "g" / "config.json").read_text())["num_hidden_layers"] == 1
+    kda = ["make-model", str(tmp_path / "k"), "--arch", "glm5-next", "--hidden", "64", "--kda"]
+    assert main([*kda, "--vocab", "320", "--layers", "4"]) == 0
+    assert "latent 512 no RoPE, 3 KDA layers" in capsys.readouterr().out

@@ -151,6 +151,12 @@ def _engine_state(model) -> dict:
             1 for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "W_UK_T")
         ),
         "sinks": _sinks(model),
+        # GLM-5.3-Flash's KDA layers: the heads each holds on this rank
+        "kda_heads": [
+            m.local_num_heads
+            for m in model.modules()
+            if type(m).__name__ == "Glm5NextLinearAttention"
+        ],
     }
 
 

@@ -12,6 +12,10 @@ the two legitimately differ.
 - **Latent KV**: ``kv_a_layernorm``'s output passes through the KV cache's record format
   (bf16 records, or ``fp8_ds_mla``'s e4m3 + per-128 scales), the functions
   ``dsa_reference`` uses; there is no RoPE part to round.
+- **KDA layers** (a checkpoint made with ``kda``): transformers' own linear attention
+  (short convolutions, the bounded gate, its chunked delta rule in fp32) on the
+  checkpoint's tensors under transformers' names (``_kda_renamed``), with vLLM's output
+  norm eps; each prefix runs whole (no recurrent cache), as every step is teacher-forced.
 - **Weights** are loaded by name from the checkpoint (the text model under ``model.``,
   ``lm_head`` applied by hand): transformers' multimodal class would build a vision tower
   this checkpoint does not have.
@@ -24,7 +28,8 @@ the two legitimately differ.
 Not emulated, on purpose: vLLM's bf16 activations elsewhere (the engine serves the model in
 bf16, as vLLM's GLM-5-next code requires; the test's error model measures what they cost).
 
-``latent_noise`` perturbs the latent and the indexer's inputs by bf16-sized noise: with
+``latent_noise`` perturbs the latent, the indexer's inputs and each KDA layer's output
+(where the engine's bf16 store rounds it) by bf16-sized noise: with
 ``fp8_ds_mla`` records that moves a few percent of the e4m3 elements to their other
 neighbour, and near-tied pools to the other side, as the bf16 engine's own values do (the
 test's error model).
@@ -49,7 +54,7 @@ from vllm_mla.ops.kpool_indexer import reference as kp
 TAILS = ("selected", "dropped")
 
 
-def _plain_residual_forward(
+def _decoder_forward(
     self,
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -60,21 +65,49 @@ def _plain_residual_forward(
     prev_topk_indices: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """vLLM's non-mHC decoder layer on transformers' one-stream ``[B, S, 1, D]`` state."""
-    x = hidden_states[:, :, 0]
-    attn, _, topk = self.self_attn(
-        hidden_states=self.input_layernorm(x),
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=None,
-        prev_topk_indices=prev_topk_indices,
-        **kwargs,
-    )
-    x = x + attn
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return x[:, :, None], topk
+    """vLLM's decoder layer on transformers' ``[B, S, N, D]`` streams: with one stream its
+    non-mHC residual, with N its mHC (transformers' hyper-connection weights, the streams
+    mixed by ``post`` / ``comb``); the streams, the norms' outputs, each block's output and
+    the MLP's GEMM outputs rounded to bf16 where the bf16 engine stores them."""
+    mhc = hidden_states.shape[2] > 1
+    if mhc:
+        post, comb, block_input = self.attn_hc(hidden_states)
+    else:
+        block_input = hidden_states[:, :, 0]
+    normed = _bf16(self.input_layernorm(_bf16(block_input)))
+    topk = None
+    if self.block_type == "linear_attention":  # KDA: no top-k, no cache (whole prefixes)
+        attn = self.self_attn(hidden_states=normed, attention_mask=attention_mask, **kwargs)
+    else:
+        attn, _, topk = self.self_attn(
+            hidden_states=normed,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=None,
+            prev_topk_indices=prev_topk_indices,
+            **kwargs,
+        )
+    if not mhc:
+        x = _bf16(block_input + _bf16(attn))
+        x = _bf16(x + _bf16_mlp(self.mlp, _bf16(self.post_attention_layernorm(x))))
+        return x[:, :, None], topk
+    streams = _bf16(_hc_post(_bf16(attn), hidden_states, post, comb))
+    post, comb, block_input = self.ffn_hc(streams)
+    mlp = _bf16_mlp(self.mlp, _bf16(self.post_attention_layernorm(_bf16(block_input))))
+    return _bf16(_hc_post(mlp, streams, post, comb)), topk
+
+
+def _hc_post(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor:
+    """transformers' mHC expansion: ``post_j * out + sum_i comb_ij * stream_i``."""
+    return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+def _bf16_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' dense MLP with vLLM's bf16 stores: the gate/up GEMM, SiLU-and-mul and
+    the down GEMM outputs (the SwiGLU clamp never engages: ``tinymodel.SWIGLU_LIMIT``)."""
+    return _bf16(mlp.down_proj(_bf16(mlp.act_fn(_bf16(mlp.gate_proj(x))) * _bf16(mlp.up_proj(x)))))
 
 
 # bf16's unit roundoff: the relative size of the engine's activation noise
@@ -163,12 +196,74 @@ def emulating_vllm(
         with latent_through(self, cached):
             return original_attention(self, *args, **kwargs)
 
+    original_kda = m.Glm5NextTextLinearAttention.forward
+
+    def kda_forward(self, hidden_states, *args, **kwargs):
+        stores = [getattr(self, name) for name in _KDA_BF16_STORES]
+        stores += [getattr(self.forget_gate, name) for name in ("f_a_proj", "f_b_proj")]
+        hooks = [module.register_forward_hook(_bf16_output) for module in stores]
+        try:
+            out = original_kda(self, _bf16(hidden_states), *args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if gen is None:
+            return out
+        return out * (1 + BF16_NOISE * torch.randn(out.shape, generator=gen))
+
     with (
-        replaced(m.Glm5NextTextDecoderLayer, forward=_plain_residual_forward),
+        replaced(m.Glm5NextTextDecoderLayer, forward=_decoder_forward),
+        replaced(m.Glm5NextTextHyperHead, forward=_hc_mean),
         replaced(m.Glm5NextTextAttention, forward=attention_forward),
         replaced(m.Glm5NextTextIndexer, forward=indexer_forward),
+        replaced(m.Glm5NextTextLinearAttention, forward=kda_forward),
+        replaced(
+            m,
+            causal_conv1d_fn=_bf16_result(m.causal_conv1d_fn),
+            chunk_kimi_delta_attention=_bf16_result(m.chunk_kimi_delta_attention),
+        ),
     ):
         yield
+
+
+# Where vLLM's KDA layer stores bf16 (glm5next/common/kda.py): the merged q/k/v/b/f_a/g_a
+# GEMM, f_b and g_b, the short convolution, the recurrence's output, the gated norm and
+# o_proj; the gate, beta's sigmoid and the recurrence itself run in fp32 on those values.
+_KDA_BF16_STORES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "b_proj",
+    "g_a_proj",
+    "g_b_proj",
+    "o_norm",
+    "o_proj",
+)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def _hc_mean(self, streams: torch.Tensor) -> torch.Tensor:
+    """The final stream collapse (vLLM's ``hc_contract``: a bf16 mean)."""
+    return _bf16(streams.mean(dim=2))
+
+
+def _bf16_output(module, inputs, output):
+    return _bf16(output)
+
+
+def _bf16_result(fn):
+    """``fn`` with its (first) tensor result rounded to bf16."""
+
+    def rounded(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (_bf16(out[0]), *out[1:])
+        return _bf16(out)
+
+    return rounded
 
 
 def load(model_dir: Path, tail: str = "selected") -> tuple[torch.nn.Module, torch.Tensor]:
@@ -183,15 +278,46 @@ def load(model_dir: Path, tail: str = "selected") -> tuple[torch.nn.Module, torc
     config = AutoConfig.from_pretrained(model_dir).text_config
     config._attn_implementation = "eager"
     config.index_kpool_always_select_tail = tail == "selected"
-    assert config.hc_mult == 1 and not config.mhc  # the plain-residual premise above
+    assert (config.hc_mult > 1) == bool(config.mhc)  # one stream is vLLM's non-mHC path
     model = Glm5NextTextModel(config).float().eval()
     tensors = load_file(str(Path(model_dir) / "model.safetensors"))
     lm_head = tensors.pop("lm_head.weight")
-    state = {name.removeprefix("model."): t for name, t in tensors.items()}
+    state = _renamed({name.removeprefix("model."): t for name, t in tensors.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
-    assert all("_hc." in name for name in missing), missing
+    assert config.mhc or all("_hc." in name for name in missing), missing
+    assert not config.mhc or not missing, missing
+    for layer in model.layers:
+        if layer.block_type == "linear_attention":
+            layer.self_attn.o_norm.variance_epsilon = KDA_O_NORM_EPS
     return model, lm_head
+
+
+# vLLM builds the KDA output norm with FusedRMSNormGated's default eps (glm5next/common/
+# kda.py: no eps passed); transformers takes rms_norm_eps (1e-6)
+KDA_O_NORM_EPS = 1e-5
+_FORGET_GATE = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")
+
+
+def _renamed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors under transformers' names, as its ``conversion_mapping`` for glm5_next
+    renames them: the KDA gate's under ``forget_gate.``, the KDA q/k/v short convolutions
+    concatenated into one ``conv1d``, the mHC weights ``hc_attn_fn`` -> ``attn_hc.fn``."""
+    out = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition("self_attn.")
+        layer, _, hc = name.rpartition(".hc_")
+        if leaf in _FORGET_GATE:
+            out[f"{prefix}self_attn.forget_gate.{leaf}"] = t
+        elif leaf == "q_conv1d.weight":
+            convs = [state[f"{prefix}self_attn.{c}_conv1d.weight"] for c in "qkv"]
+            out[f"{prefix}self_attn.conv1d.weight"] = torch.cat(convs)
+        elif layer and hc.split("_")[0] in ("attn", "ffn"):
+            block, _, field = hc.partition("_")
+            out[f"{layer}.{block}_hc.{field}"] = t
+        elif leaf not in ("k_conv1d.weight", "v_conv1d.weight"):
+            out[name] = t
+    return out
 
 
 def reference(
@@ -212,7 +338,7 @@ def reference(
 
     def logits(tokens: list[int]) -> torch.Tensor:
         hidden = model(torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
-        return hidden @ lm_head.t()
+        return _bf16(_bf16(hidden) @ lm_head.t())  # vLLM's bf16 final norm and logits
 
     results = []
     with torch.no_grad(), emulating_vllm(kv_format, latent_noise, emulate_indexer, decisions):

@@ -3,7 +3,7 @@ indexer) served end to end by vLLM CPU through B12X_MLA_SPARSE, the plugin's por
 indexer and its torch stand-ins for the Triton kernels GLM-5.3-Flash's path launches.
 
 The checkpoint (``make_model(..., TinyModelSpec(arch="glm5-next", ...))``): 2 layers, both
-MLA (vLLM CPU has no path for GLM-5.3-Flash's KDA layers), 4 heads of qk_nope 256 / v 256,
+MLA (``test_glm5next_kda_engine`` runs the KDA + MLA pattern), 4 heads of qk_nope 256 / v 256,
 rope 0, a kpool indexer per layer (32 heads, pools of 16, the tail pool always selected),
 dense MLPs, no mHC (vLLM CPU's mHC ops drop the layer's input RMSNorm:
 ``tiny_glm5next``). ``index_topk`` is 16: one pool of 16 (and the tail) out of up to five
@@ -27,49 +27,21 @@ import pytest
 import torch
 from compare import compare
 from conftest import KV_DTYPES, run_engine_jobs, sparse_jobs
-from dsa_reference import BoundaryMargins, Decisions, FlipAt
+from dsa_reference import BoundaryMargins, Decisions
 from engine_job import MAX_TOKENS, SPARSE_BACKEND, SPARSE_PROMPTS
+from glm5next_match import (
+    INDEX_TOPK,
+    KPOOL,
+    POOL_TIE_RELATIVE,
+    POOLS_SELECTED,
+    matcher,
+    top5,
+)
 from glm5next_reference import load, reference
 
 from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
 
 LAYERS = 2
-INDEX_TOPK = 16
-
-# Error model. vLLM's GLM-5-next code runs in bf16 only (its indexer's
-# index_kpool_compress_gate is a bf16 Parameter and fwht128_quant_fp8 asserts a bf16 query:
-# vllm/models/glm5next/common/attention.py, nvidia/ops/kpool_compress.py), so the engine
-# rounds every activation to 8 significant bits where the reference computes in fp32 on the
-# same bf16-valued weights, and rounds at the indexer's own points (``kpool_topk``). The
-# reference is teacher-forced on the engine's tokens, so every step is compared. What bf16
-# noise does downstream is measured, not assumed: the reference again with its latent and
-# its indexer inputs perturbed by bf16-sized relative noise (``latent_noise``, one draw per
-# seed). With one pool of 16 selected out of up to 5, a pool whose score is within that
-# noise of the next one (an index near-tie: the test below counts them) flips on one side,
-# and with fp8_ds_mla records so do the e4m3 elements near a rounding midpoint: each such
-# flip moves later log-probabilities of that prompt by up to a few nats (perturbed worst
-# entries 0.1-3.1 nats on the development host), so single entries cannot tell a flip from
-# a fault. The median over the prompts whose selection decides can: the engine's must lie
-# within NOISE_FACTOR of the largest perturbed median (development host: perturbed
-# 0.02-0.11 bf16 and 0.14-0.17 fp8_ds_mla, engine 0.04 and 0.13; with the indexer's
-# scores negated the engine's medians are 0.51-0.88). WORST_NATS caps single entries (the
-# largest perturbed worst seen, 3.1, with a margin); greedy tokens may differ from the
-# reference's own choice only at a near-tie, within 2 WORST_NATS.
-WORST_NATS = 4.0
-NOISE_SEEDS = (1, 2, 3)
-NOISE_FACTOR = 2.0
-# Whether a seed's noise flips a pool selection is chance, so the bound also holds the
-# reference with each of its FLIPS closest pool selections forced the other way, one at a
-# time (``FlipAt``): the counted near-ties most likely to go the other way on another
-# host are inside the model whatever the seeds drew (development host: one such flip
-# moves the median by at most 0.013 and single entries by up to 1.4 nats, under WORST).
-FLIPS = 3
-KPOOL = 16  # tokens per pool (the checkpoint's index_kpool)
-POOLS_SELECTED = INDEX_TOPK // KPOOL  # besides the tail
-# A pool score gap below this (relative to the row's best pool) is an index near-tie: the
-# engine's bf16 inputs to the indexer (relative error 2**-8 each, q . k summed over 128
-# channels and weighted over 32 heads) can order the two pools the other way.
-POOL_TIE_RELATIVE = 2.0**-6
 
 
 def spec(seed: int) -> TinyModelSpec:
@@ -104,59 +76,6 @@ def prompt_ids(glm5_engine) -> list[list[int]]:
     return [r["prompt_token_ids"] for r in glm5_engine["bfloat16"]["first"]]
 
 
-def near_tie_divergences(got: list[dict], want: list[dict], worst: float) -> list[str]:
-    """Where ``got``'s greedy tokens are not the reference's own choice (``want`` is
-    teacher-forced on ``got``'s tokens); fails unless each is a near-tie of the reference."""
-    seen = []
-    for i, (ours, ref) in enumerate(zip(got, want, strict=True)):
-        for step, token in enumerate(ours["token_ids"]):
-            lp = ref["logprobs"][step]
-            best = int(lp.argmax())
-            if best == token:
-                continue
-            margin = float(lp[best] - lp[token])
-            assert margin <= 2 * worst, (
-                f"prompt {i} step {step}: engine {token}, reference {best} by {margin:.3f} "
-                f"nats (> {2 * worst:.3f}: not a near-tie)"
-            )
-            seen.append(f"prompt {i} step {step}: {token} vs {best}, margin {margin:.3f}")
-    return seen
-
-
-def statistics(got: list[dict], want: list[dict], rows: list[int]) -> tuple[float, float]:
-    """(median of the top-5 differences of the prompts ``rows``, worst of all prompts)."""
-    per_row = [compare([g], [w]) for g, w in zip(got, want, strict=True)]
-    selected = [d for i in rows for d in per_row[i].diffs]
-    return float(torch.tensor(selected).median()), max(c.worst for c in per_row)
-
-
-def top5(generation: list[dict]) -> list[dict]:
-    """A reference generation as an engine reports it (top-5 per step)."""
-    return [
-        {
-            "token_ids": g["token_ids"],
-            "logprobs": [
-                {str(int(t)): float(v) for v, t in zip(*lp.topk(5), strict=True)}
-                for lp in g["logprobs"]
-            ],
-        }
-        for g in generation
-    ]
-
-
-def assert_match(
-    got: list[dict], want: list[dict], bounds: tuple[float, float], rows: list[int]
-) -> None:
-    """``want`` teacher-forced on ``got``'s tokens; ``bounds`` (median over ``rows``, the
-    prompts whose selection decides, and worst) from ``noise_bounds``."""
-    median_tol, worst_tol = bounds
-    ties = near_tie_divergences(got, want, worst_tol)
-    median, worst = statistics(got, want, rows)
-    assert worst <= worst_tol, f"worst {worst:.3f} > {worst_tol:.3f}"
-    assert median <= median_tol, f"median {median:.4f} > {median_tol:.4f} (prompts {rows})"
-    print(f"median {median:.4f} (prompts {rows}), worst {worst:.3f}; near-ties: {ties}")
-
-
 @pytest.fixture(scope="session")
 def selecting(prompt_ids) -> list[int]:
     """The prompts longer than top-k: the indexer drops tokens from their attention."""
@@ -165,37 +84,8 @@ def selecting(prompt_ids) -> list[int]:
 
 @pytest.fixture(scope="session")
 def match(glm5_models, prompt_ids, selecting):
-    """match(generation, checkpoint name, record format): the reference teacher-forced on
-    the generation's tokens, compared within the perturbed references' bounds (the
-    perturbed references are forced on the same tokens)."""
-
-    def check(got: list[dict], name: str, fmt: str) -> None:
-        model, forced = glm5_models[name], [g["token_ids"] for g in got]
-        margins = BoundaryMargins(POOLS_SELECTED, grain=KPOOL)
-        want = reference(model, prompt_ids, MAX_TOKENS, fmt, forced=forced, decisions=margins)
-
-        def against_want(**how) -> tuple[float, float]:
-            other = reference(model, prompt_ids, MAX_TOKENS, fmt, forced=forced, **how)
-            return statistics(top5(other), want, selecting)
-
-        noise = [against_want(latent_noise=s) for s in NOISE_SEEDS]
-        flips = [
-            against_want(decisions=FlipAt(at, POOLS_SELECTED, grain=KPOOL))
-            for at in margins.closest(FLIPS)
-        ]
-        print(
-            f"perturbed references ({name}, {fmt}): "
-            + ", ".join(f"median {m:.4f} worst {w:.3f}" for m, w in noise)
-            + "; closest pool selections flipped one at a time (gaps "
-            + ", ".join(f"{g:.1e}" for g in sorted(margins.gaps)[:FLIPS])
-            + "): "
-            + ", ".join(f"median {m:.4f} worst {w:.3f}" for m, w in flips)
-        )
-        assert max(w for _, w in flips) <= WORST_NATS, "one flipped near-tie exceeds WORST"
-        bounds = (NOISE_FACTOR * max(m for m, _ in noise + flips), WORST_NATS)
-        assert_match(got, want, bounds, selecting)
-
-    return check
+    """``glm5next_match.matcher`` on the all-MLA checkpoints."""
+    return matcher(glm5_models, prompt_ids, selecting)
 
 
 def test_transformers_builds_the_checkpoint_and_every_tensor_loads(glm5_models):

@@ -98,6 +98,8 @@ WIRING = textwrap.dedent(
     glm = {m for m in on_import.pending() if m.startswith("vllm.models.glm5next")}
     assert glm == {
         "vllm.models.glm5next.common.attention",
+        "vllm.models.glm5next.common.kda",
+        "vllm.models.glm5next.common.model",
         "vllm.models.glm5next.nvidia.sparse_indexer",
     }, on_import.pending()
     import vllm.models.glm5next  # what resolving Glm5NextForCausalLM does
@@ -105,6 +107,18 @@ WIRING = textwrap.dedent(
     from vllm.models.glm5next.common.attention import Indexer
     assert op_registry_oot["SparseAttnIndexerKpool"].__qualname__ == "CLASS_NAME"
     assert getattr(Indexer.__init__, "__vllm_mla_patch__") == "cpu_glm5next_indexer_weights"
+    from vllm.models.glm5next.common import kda
+    for name, patch in (
+        ("chunk_kda_with_fused_gate", "cpu_glm5next_kda_chunk"),
+        ("fused_recurrent_kda", "cpu_glm5next_kda_recurrent"),
+        ("gather_initial_states", "cpu_glm5next_kda_gather"),
+        ("scatter_states", "cpu_glm5next_kda_scatter"),
+    ):
+        assert getattr(getattr(kda, name), "__vllm_mla_patch__") == patch, name
+    from vllm.models.glm5next.common.model import Glm5NextDecoderLayer as Layer
+    for name in ("pre", "fused_post_pre", "post"):
+        method = getattr(Layer, "hc_" + name)
+        assert getattr(method, "__vllm_mla_patch__") == "cpu_glm5next_mhc_" + name
     assert not any(m.startswith("vllm.models.glm5next") for m in on_import.pending())
     print("OK")
     """
@@ -114,7 +128,8 @@ WIRING = textwrap.dedent(
 def test_glm5next_work_waits_for_the_model_and_then_is_all_in_place():
     """In a fresh process (the plugin's features on vLLM CPU): nothing of GLM-5.3-Flash is
     imported at registration; importing the model package registers the kpool indexer and
-    patches the indexer's constructor."""
+    patches the indexer's constructor, the four kernels its KDA layers call and the decoder
+    layer's three mHC blocks."""
     pytest.importorskip("vllm.models.glm5next")
     result = subprocess.run(
         [sys.executable, "-c", WIRING],
@@ -134,9 +149,9 @@ def test_vllms_cpu_mhc_pre_ignores_the_layer_norm_weight():
     """vLLM's mHC pre block receives the decoder layer's input RMSNorm weight
     (``norm_weight``) and on CPU drops it: its torch path (``forward_native``, what
     ``forward_cpu``'s fused op computes) returns the same layer input whatever the weight
-    and takes bf16 only. An mHC checkpoint is therefore another model on vLLM CPU, which is
-    why the tiny checkpoint is ``mhc: false``. When this fails vLLM applies the weight and
-    the tiny checkpoint can turn mHC on."""
+    and takes bf16 only. An mHC checkpoint would be another model on vLLM CPU; the patches
+    ``cpu_glm5next_mhc_*`` apply the norm after the torch path. When this fails vLLM
+    applies the weight itself and those patches must go (they would normalize twice)."""
     mhc = pytest.importorskip("vllm.model_executor.layers.mhc")
     hc, d = 4, 64
     gen = torch.Generator().manual_seed(0)

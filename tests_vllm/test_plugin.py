@@ -43,8 +43,9 @@ LIFECYCLE = {  # what the lifecycle feature applies, per vLLM version ({when}: h
     "0.33": "applied MLAAttention.process_weights_after_loading, "
     f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_HYV4_UPSTREAM}",
     "0.34": "applied MLAAttention.process_weights_after_loading, "
-    f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_indexer_reload not "
-    "needed: the indexer refills _wp_fp32 in its process_weights_after_loading",
+    f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_reload not "
+    "needed: the indexer refills _wp_fp32 in its process_weights_after_loading and the KDA "
+    "convolutions are one fused parameter",
 }
 
 

@@ -13,7 +13,7 @@ import torch
 from vllm_mla.vllm.patches import (
     PATCHES,
     cpu_moe_reload_prepack,
-    glm5next_indexer_reload,
+    glm5next_reload,
     hyv4_sink_reload,
     installed_minor,
 )
@@ -119,19 +119,19 @@ def test_the_cpu_experts_module_is_vllms():
     )
 
 
-# -- glm5next_indexer_reload ------------------------------------------------------------
+# -- glm5next_reload ------------------------------------------------------------
 def _indexer_type(module: str) -> type:
     return type("Indexer", (torch.nn.Module,), {"__module__": module})
 
 
-def _indexer(module: str = glm5next_indexer_reload.INDEXER_MODULE) -> torch.nn.Module:
+def _indexer(module: str = glm5next_reload.INDEXER_MODULE) -> torch.nn.Module:
     """What the patch reads of GLM-5.3-Flash's Indexer: head_dim, wk_weights_proj and the
     fp32 copy its first forward makes (in inference mode, as vLLM's forward runs)."""
     indexer = _indexer_type(module)()
     indexer.head_dim = 4
     indexer.wk_weights_proj = torch.nn.Linear(8, 4 + 2, bias=False)
     with torch.inference_mode():
-        indexer._wp_fp32 = glm5next_indexer_reload.head_weights_fp32(indexer)
+        indexer._wp_fp32 = glm5next_reload.head_weights_fp32(indexer)
     return indexer
 
 
@@ -142,7 +142,7 @@ def test_a_reload_refills_the_indexers_fp32_head_weights_in_place():
     with torch.no_grad():
         for m in model:
             m.wk_weights_proj.weight.add_(1.0)  # the reload's new weights
-    finalize = glm5next_indexer_reload.make_finalize(lambda model, config: "done")
+    finalize = glm5next_reload.make_finalize(lambda model, config: "done")
     assert finalize(model, None) == "done"
     assert [m._wp_fp32.data_ptr() for m in model] == pointers  # same storage
     want = model[0].wk_weights_proj.weight[4:].t().float()
@@ -153,15 +153,55 @@ def test_a_reload_refills_the_indexers_fp32_head_weights_in_place():
 def test_an_indexer_without_its_copy_yet_is_left_alone():
     indexer = _indexer()
     indexer._wp_fp32 = None  # a first load: the first forward has not run
-    assert glm5next_indexer_reload.refill(torch.nn.Sequential(indexer)) == 0
+    assert glm5next_reload.refill(torch.nn.Sequential(indexer)) == 0
+
+
+def _kda(module: str = glm5next_reload.KDA_MODULE) -> torch.nn.Module:
+    """What the patch reads of GLM-5.3-Flash's KDA layer: its three short convolutions
+    (``[C, 1, W]`` weights) and the merged copy its first forward makes."""
+    kda = type("Glm5NextLinearAttention", (torch.nn.Module,), {"__module__": module})()
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        conv = torch.nn.Module()
+        conv.weight = torch.nn.Parameter(torch.randn(6, 1, 4))
+        setattr(kda, name, conv)
+    with torch.inference_mode():
+        kda._merged_conv_weight = glm5next_reload.merged_conv_weight(kda)
+    return kda
+
+
+def test_a_reload_refills_the_kda_merged_convolution_in_place():
+    model = torch.nn.Sequential(_kda(), _kda("elsewhere"))
+    pointers = [m._merged_conv_weight.data_ptr() for m in model]
+    with torch.no_grad():
+        for m in model:
+            m.v_conv1d.weight.add_(1.0)  # the reload's new weights
+    glm5next_reload.make_finalize(lambda model, config: None)(model, None)
+    assert [m._merged_conv_weight.data_ptr() for m in model] == pointers
+    fresh = torch.cat(
+        [model[0].q_conv1d.weight, model[0].k_conv1d.weight, model[0].v_conv1d.weight]
+    )
+    assert torch.equal(model[0]._merged_conv_weight, fresh.squeeze(1))  # refilled
+    assert not torch.equal(model[1]._merged_conv_weight[12:], model[1].v_conv1d.weight.squeeze(1))
+
+
+def test_vllms_kda_layer_keeps_the_copy_this_patch_refills():
+    import importlib
+    import inspect
+
+    kda = importlib.import_module(glm5next_reload.KDA_MODULE)
+    source = inspect.getsource(kda.Glm5NextLinearAttention)
+    if _patch("glm5next_reload").upstream_in(installed_minor()) is None:  # 0.32 / 0.33
+        assert "if self._merged_conv_weight is None:" in source
+    else:  # 0.34: one fused conv1d parameter, read in every forward
+        assert "_merged_conv_weight" not in source and "self.conv1d.weight.view(" in source
 
 
 def test_vllms_indexer_keeps_the_copy_this_patch_refills():
     import importlib
     import inspect
 
-    attention = importlib.import_module(glm5next_indexer_reload.INDEXER_MODULE)
-    patch = _patch("glm5next_indexer_reload")
+    attention = importlib.import_module(glm5next_reload.INDEXER_MODULE)
+    patch = _patch("glm5next_reload")
     minor = installed_minor()
     forward = inspect.getsource(attention.Indexer.forward)
     assert "self._wp_fp32" in forward

@@ -142,18 +142,32 @@ def _parser() -> argparse.ArgumentParser:
         help="deepseek (default: DeepSeek-V2, or V3.2 with --sparse), hy-v4 (HY-V4: DSA with "
         "shared indexers, a learnable attention sink, iHC, gated MLA, MoE) or glm5-next "
         "(GLM-5.3-Flash's text model: MLA of latent 512 without RoPE, the kpool indexer, every "
-        "layer MLA); --q-lora-rank, --index-topk and --index-heads apply to both",
+        "layer MLA unless --kda); --q-lora-rank, --index-topk and --index-heads apply to both",
     )
     m.add_argument("--experts", type=int, default=4, help="with --arch hy-v4 (default 4)")
     m.add_argument("--experts-per-tok", type=int, default=2, help="with --arch hy-v4 (default 2)")
     m.add_argument(
-        "--hc-mult", type=int, default=4, help="with --arch hy-v4: iHC streams (default 4)"
+        "--hc-mult",
+        type=int,
+        default=4,
+        help="with --arch hy-v4 (iHC) or glm5-next --mhc: residual streams (default 4)",
     )
     m.add_argument(
         "--sink-logit",
         type=float,
         default=2.0,
         help="with --arch hy-v4: mean of the per-head attention-sink logits, std 1 (default 2)",
+    )
+    m.add_argument(
+        "--kda",
+        action="store_true",
+        help="with --arch glm5-next: KDA linear-attention layers in the checkpoint's pattern "
+        "(every fourth layer MLA, the others KDA; needs --layers >= 4)",
+    )
+    m.add_argument(
+        "--mhc",
+        action="store_true",
+        help="with --arch glm5-next: mHC hyper-connections over --hc-mult residual streams",
     )
     _soak_parser(sub)
     c = sub.add_parser(
@@ -327,6 +341,11 @@ def _make_model(args: argparse.Namespace) -> int:
         kind = f", HY-V4{kind}, {spec.experts} experts, attention sink"
     if spec.arch == "glm5-next":
         kind = f", GLM-5.3-Flash{kind} over pools of {tiny_glm5next.KPOOL}, latent 512 no RoPE"
+        if spec.kda:
+            kinds = tiny_glm5next.layer_types(spec)
+            kind += f", {kinds.count('linear_attention')} KDA layers"
+        if spec.mhc:
+            kind += f", mHC over {spec.hc_mult} streams"
     print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads{kind}")
     return 0
 

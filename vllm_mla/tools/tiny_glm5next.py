@@ -8,16 +8,16 @@ incomplete tail pool always selected).
 
 What differs, and why:
 
-- **Every layer is MLA** (``layer_types`` all ``indexed_attention``). The real model
-  interleaves KDA linear-attention layers, which vLLM CPU cannot run (its
-  ``gather_initial_states`` asserts CUDA / XPU and the chunk kernels are Triton); the
-  layers this plugin serves are the MLA ones.
-- **No mHC** (``mhc: false``: vLLM's plain pre-norm residual path, the one it takes for
-  GLM-5-next checkpoints without hyper-connections). vLLM CPU 0.32's mHC ops
-  (``MHCPreOp`` / ``MHCFusedPostPreOp``: ``forward_cpu`` and ``forward_native``) accept
-  bf16 activations only and ignore the ``norm_weight`` the decoder layer passes them,
-  dropping the layer's input RMSNorm, so an mHC checkpoint is another model on vLLM CPU
-  whatever serves its attention (``tests_vllm/test_glm5next_wiring.py`` pins both).
+- **Every layer is MLA** unless ``kda``: with it, GLM-5.3-Flash's own pattern (every fourth
+  layer MLA, the others KDA linear attention: short convolutions, the bounded gate, the
+  delta rule; 4 heads of 128 instead of 64). vLLM CPU has no KDA path; the plugin serves
+  it with torch stand-ins for vLLM's Triton kernels (patches ``cpu_glm5next_kda_*``).
+- **No mHC** unless ``mhc`` (``mhc: false``: vLLM's plain pre-norm residual path, the one
+  it takes for GLM-5-next checkpoints without hyper-connections). With ``mhc`` the
+  checkpoint has GLM-5.3-Flash's hyper-connections (``hc_mult`` streams, per layer
+  ``hc_attn_*`` / ``hc_ffn_*`` mixing weights in fp32, the final unweighted mean). vLLM
+  CPU's mHC ops drop the layer's RMSNorm and are ``_C``-only; the plugin serves them
+  through vLLM's torch mHC with the norm applied (patches ``cpu_glm5next_mhc_*``).
 - **Dense MLPs** (``mlp_layer_types`` all ``dense``): the MoE is vLLM's fused-MoE path,
   which the HY-V4 checkpoint exercises; ``n_routed_experts`` stays set because vLLM
   reads it.
@@ -48,6 +48,21 @@ if TYPE_CHECKING:
 QK_NOPE = 256  # GLM-5.3-Flash's qk_nope_head_dim = v_head_dim, and no RoPE
 V_HEAD = 256
 KPOOL = 16  # GLM-5.3-Flash's index_kpool
+# KDA (linear attention) layers: GLM-5.3-Flash's head_dim, conv width and gate bound; four
+# heads (two per rank at TP 2) instead of 64
+KDA_HEAD_DIM = 128
+KDA_HEADS = 4
+KDA_CONV = 4
+KDA_LOWER_BOUND = -5.0
+HC_SINKHORN_ITERS = 20  # GLM-5.3-Flash's (transformers' default)
+
+
+def layer_types(spec: TinyModelSpec) -> list[str]:
+    """The checkpoint's pattern with ``spec.kda``: every fourth layer (3, 7, ...) MLA, the
+    others KDA (transformers' default ``layer_types``); without, every layer MLA."""
+    if not spec.kda:
+        return ["indexed_attention"] * spec.layers
+    return ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(spec.layers)]
 
 
 def config_fields(spec: TinyModelSpec) -> dict:
@@ -71,8 +86,14 @@ def config_fields(spec: TinyModelSpec) -> dict:
         "index_kpool": KPOOL,
         "index_kpool_always_select_tail": True,
         "indexer_rope_interleave": False,
-        "mhc": False,
-        "hc_mult": 1,
+        "layer_types": layer_types(spec),
+        "linear_head_dim": KDA_HEAD_DIM,
+        "linear_num_heads": KDA_HEADS,
+        "linear_conv_kernel_dim": KDA_CONV,
+        "linear_lower_bound": KDA_LOWER_BOUND,
+        "mhc": spec.mhc,
+        "hc_mult": spec.hc_mult if spec.mhc else 1,
+        "hc_sinkhorn_iters": HC_SINKHORN_ITERS,
         "hc_eps": 1e-6,
         "torch_dtype": "bfloat16",
     }
@@ -85,12 +106,22 @@ def weights(
     d, h, r = spec.hidden, spec.heads, spec.q_lora_rank
     n, hd = spec.index_heads, spec.index_head_dim
     out = {"model.embed_tokens.weight": normal(vocab, d)}
-    for i in range(spec.layers):
+    for i, kind in enumerate(layer_types(spec)):
         p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
         ix = f"{a}.indexer"
         out |= {
             f"{p}.input_layernorm.weight": torch.ones(d),
             f"{p}.post_attention_layernorm.weight": torch.ones(d),
+            f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
+            f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
+            f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
+        }
+        if spec.mhc:
+            out |= _mhc_weights(p, spec, normal)
+        if kind == "linear_attention":
+            out |= _kda_weights(a, d, normal)
+            continue
+        out |= {
             f"{a}.q_a_proj.weight": normal(r, d),
             f"{a}.q_a_layernorm.weight": torch.ones(r),
             f"{a}.q_b_proj.weight": normal(h * QK_NOPE, r),
@@ -105,10 +136,41 @@ def weights(
             f"{ix}.weights_proj.weight": normal(n, d),
             f"{ix}.index_kpool_compress_ape": normal(KPOOL, hd),
             f"{ix}.index_kpool_compress_gate": normal(hd, d),
-            f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
-            f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
-            f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
         }
     out["model.norm.weight"] = torch.ones(d)
     out["lm_head.weight"] = normal(vocab, d)
     return {name: t.to(torch.bfloat16).float() for name, t in out.items()}
+
+
+def _kda_weights(a: str, d: int, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One KDA layer under the checkpoint's names (vLLM merges q/k/v/b/f_a/g_a into one
+    GEMM and keeps the three short convolutions apart; transformers renames the gate's
+    tensors under ``forget_gate`` and concatenates the convolutions)."""
+    width = KDA_HEADS * KDA_HEAD_DIM
+    out = {f"{a}.{name}.weight": normal(width, d) for name in ("q_proj", "k_proj", "v_proj")}
+    out |= {f"{a}.{name}_conv1d.weight": normal(width, 1, KDA_CONV) for name in "qkv"}
+    return out | {
+        f"{a}.b_proj.weight": normal(KDA_HEADS, d),
+        f"{a}.f_a_proj.weight": normal(KDA_HEAD_DIM, d),
+        f"{a}.f_b_proj.weight": normal(width, KDA_HEAD_DIM),
+        f"{a}.g_a_proj.weight": normal(KDA_HEAD_DIM, d),
+        f"{a}.g_b_proj.weight": normal(width, KDA_HEAD_DIM),
+        f"{a}.dt_bias": normal(width),
+        f"{a}.A_log": normal(KDA_HEADS),
+        f"{a}.o_norm.weight": torch.ones(KDA_HEAD_DIM),
+        f"{a}.o_proj.weight": normal(d, width),
+    }
+
+
+def _mhc_weights(p: str, spec: TinyModelSpec, normal: Callable) -> dict[str, torch.Tensor]:
+    """One layer's hyper-connection weights under vLLM's names (transformers renames them
+    ``attn_hc.fn`` ...): the mixing projection scaled so its logits are O(1) on the
+    normalized streams, biases O(1), scales near 1."""
+    n, width = spec.hc_mult, spec.hc_mult * spec.hidden
+    mix = (2 + n) * n
+    out = {}
+    for block in ("attn", "ffn"):
+        out[f"{p}.hc_{block}_fn"] = normal(mix, width) / (spec.init_std * width**0.5)
+        out[f"{p}.hc_{block}_base"] = normal(mix) / spec.init_std
+        out[f"{p}.hc_{block}_scale"] = 1 + normal(3)
+    return out

@@ -50,7 +50,8 @@ places (q/kv LoRA norms, the indexer's key norm).
 
 With ``arch="glm5-next"`` the checkpoint is GLM-5.3-Flash's text model (``glm5_next``,
 ``Glm5NextForCausalLM``): MLA of latent 512 without RoPE and the kpool indexer, every
-layer MLA with a dense MLP and no mHC (``tiny_glm5next`` says what and why).
+layer MLA (or, with ``kda``, KDA linear attention on three layers of four, as the
+checkpoint) with a dense MLP and no mHC (``tiny_glm5next`` says what and why).
 """
 
 from __future__ import annotations
@@ -108,12 +109,17 @@ class TinyModelSpec:
     arch: str = "deepseek"  # "deepseek" (V2, or V3.2 with sparse); "hy-v4", "glm5-next" (DSA)
     experts: int = 4  # hy-v4 (glm5-next: declared, its MLPs are dense): routed experts
     experts_per_tok: int = 2  # hy-v4 only
-    hc_mult: int = 4  # hy-v4 only: iHC residual streams
+    hc_mult: int = 4  # hy-v4, and glm5-next with mhc: hyper-connection residual streams
     sink_logit: float = 2.0  # hy-v4 only: mean of the per-head sink logits (std 1)
+    kda: bool = False  # glm5-next only: KDA layers in the checkpoint's pattern (3 of 4)
+    mhc: bool = False  # glm5-next only: mHC (hc_mult streams, the Sinkhorn-mixed residual)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise MakeModelError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
+        for flag in ("kda", "mhc"):
+            if getattr(self, flag) and self.arch != "glm5-next":
+                raise MakeModelError(f"--{flag} is made for --arch glm5-next only, not {self.arch}")
         if self.arch in ("hy-v4", "glm5-next"):
             self._check_new_arch()
         for name in ("layers", "heads", "hidden", "intermediate"):
@@ -158,6 +164,13 @@ class TinyModelSpec:
                     f"(only {only!r})"
                 )
         if self.arch == "glm5-next":
+            if self.kda and self.layers < 4:
+                raise MakeModelError(
+                    f"--kda needs --layers >= 4 (layer 3 is the first MLA layer in "
+                    f"GLM-5.3-Flash's pattern), got {self.layers}"
+                )
+            if self.mhc and self.hc_mult < 2:
+                raise MakeModelError(f"--mhc needs --hc-mult >= 2, got {self.hc_mult}")
             if self.index_topk % tiny_glm5next.KPOOL:
                 raise MakeModelError(
                     f"--index-topk {self.index_topk} must be a multiple of GLM-5.3-Flash's "

@@ -37,13 +37,14 @@ the two agree and that every target exists in the installed vLLM):
     reloaded experts are read unpacked
     removal: when vLLM re-runs the experts' post-load on weight updates
 
-``glm5next_indexer_reload`` (feature ``lifecycle``)
+``glm5next_reload`` (feature ``lifecycle``)
     versions: 0.32, 0.33, 0.34; not applied on 0.34: the indexer refills _wp_fp32 in its
-    process_weights_after_loading
+    process_weights_after_loading and the KDA convolutions are one fused parameter
     target: ``vllm.model_executor.model_loader.reload.layerwise``
     ``.finalize_layerwise_processing``
-    why: GLM-5.3-Flash's indexer keeps an fp32 copy of its head-weight projection made at its
-    first forward, so after a reload it weights its heads with the old weights
+    why: GLM-5.3-Flash's indexer (fp32 head weights) and KDA layers (merged convolution
+    weights) keep copies made at their first forward, so after a reload they serve the
+    old weights
     removal: with vLLM 0.33
 
 ``mla_v_up_proj`` (feature ``query``)
@@ -117,6 +118,55 @@ module is imported)
     why: vLLM CPU's linear post-load leaves an empty placeholder weight, and GLM-5.3-Flash's
     indexer reads ``wk_weights_proj.weight`` in its first forward
     removal: when vLLM CPU keeps the weights its model code reads after loading
+
+``cpu_glm5next_kda_chunk`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.kda.chunk_kda_with_fused_gate``
+    why: GLM-5.3-Flash's KDA prefill is Triton, which vLLM CPU runs without
+    removal: when vLLM CPU serves KDA layers
+
+``cpu_glm5next_kda_recurrent`` (feature ``sparse-cpu``, CPU platform, applied when its
+module is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.kda.fused_recurrent_kda``
+    why: GLM-5.3-Flash's KDA decode and speculative verification are Triton
+    removal: when vLLM CPU serves KDA layers
+
+``cpu_glm5next_kda_gather`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.kda.gather_initial_states``
+    why: it asserts a CUDA or XPU state before its Triton kernel
+    removal: when vLLM CPU serves KDA layers
+
+``cpu_glm5next_kda_scatter`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.kda.scatter_states``
+    why: it asserts a CUDA state before its Triton kernel
+    removal: when vLLM CPU serves KDA layers
+
+``cpu_glm5next_mhc_pre`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.model.Glm5NextDecoderLayer.hc_pre``
+    why: vLLM CPU's mHC pre op drops the layer's input RMSNorm (and is in _C only)
+    removal: when vLLM's CPU mHC ops apply ``norm_weight``
+
+``cpu_glm5next_mhc_fused_post_pre`` (feature ``sparse-cpu``, CPU platform, applied when its
+module is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.model.Glm5NextDecoderLayer.hc_fused_post_pre``
+    why: vLLM CPU's fused mHC post + pre op drops the RMSNorm it is passed
+    removal: when vLLM's CPU mHC ops apply ``norm_weight``
+
+``cpu_glm5next_mhc_post`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.glm5next.common.model.Glm5NextDecoderLayer.hc_post``
+    why: vLLM CPU's mHC post op is in _C only (not _C_AVX2 / _C_AVX512)
+    removal: when vLLM CPU's mHC post op runs on every host it loads
 
 ``wake_check_sleep`` (feature ``wake-check``)
     versions: 0.32, 0.33, 0.34
@@ -373,21 +423,26 @@ PATCHES: tuple[Patch, ...] = (
         platforms=("cpu",),
     ),
     Patch(
-        name="glm5next_indexer_reload",
+        name="glm5next_reload",
         feature="lifecycle",
         module="vllm.model_executor.model_loader.reload.layerwise",
         qualname="finalize_layerwise_processing",
         params=("model", "model_config"),
         versions=SUPPORTED_VLLM,
         upstream_at=(
-            ("0.34", "the indexer refills _wp_fp32 in its process_weights_after_loading"),
+            (
+                "0.34",
+                "the indexer refills _wp_fp32 in its process_weights_after_loading and the "
+                "KDA convolutions are one fused parameter",
+            ),
         ),
-        why="GLM-5.3-Flash's indexer keeps an fp32 copy of its head-weight projection made "
-        "at its first forward, so after a reload it weights its heads with the old weights",
-        how="after the original, every GLM-5.3-Flash indexer holding the copy has it refilled "
-        "in place from the reloaded weight (vLLM's own expression)",
+        why="GLM-5.3-Flash's indexer (fp32 head weights) and KDA layers (merged convolution "
+        "weights) keep copies made at their first forward, so after a reload they serve the "
+        "old weights",
+        how="after the original, every such copy is refilled in place from the reloaded "
+        "weights (vLLM's own expressions)",
         removal="with vLLM 0.33",
-        factory="vllm_mla.vllm.patches.glm5next_indexer_reload:make_finalize",
+        factory="vllm_mla.vllm.patches.glm5next_reload:make_finalize",
     ),
     Patch(
         name="mla_v_up_proj",
@@ -563,6 +618,155 @@ PATCHES: tuple[Patch, ...] = (
         "flag: the weight is kept and served by F.linear, as vLLM does for kv_b_proj)",
         removal="when vLLM CPU keeps the weights its model code reads after loading",
         factory="vllm_mla.vllm.patches.cpu_glm5next_indexer_weights:make_init",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_kda_chunk",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.kda",
+        qualname="chunk_kda_with_fused_gate",
+        params=(
+            "q",
+            "k",
+            "v",
+            "raw_g",
+            "beta",
+            "A_log",
+            "g_bias",
+            "scale",
+            "initial_state",
+            "output_final_state",
+            "use_qk_l2norm_in_kernel",
+            "cu_seqlens",
+            "safe_gate",
+            "lower_bound",
+            "kwargs",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="GLM-5.3-Flash's KDA prefill is Triton, which vLLM CPU runs without",
+        how="CPU tensors through vllm_mla.ops.kda.reference.chunk_with_fused_gate (vLLM's "
+        "recurrence in fp32, its [H, V, K] state layout)",
+        removal="when vLLM CPU serves KDA layers",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_kda_chunk:make_chunk_kda_with_fused_gate",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_kda_recurrent",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.kda",
+        qualname="fused_recurrent_kda",
+        params=(
+            "q",
+            "k",
+            "v",
+            "g",
+            "beta",
+            "scale",
+            "initial_state",
+            "inplace_final_state",
+            "use_qk_l2norm_in_kernel",
+            "cu_seqlens",
+            "ssm_state_indices",
+            "num_accepted_tokens",
+            "out",
+            "sigmoid_beta",
+            "a_log",
+            "g_bias",
+            "compute_gate",
+            "lower_bound",
+            "kwargs",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="GLM-5.3-Flash's KDA decode and speculative verification are Triton",
+        how="CPU tensors through vllm_mla.ops.kda.reference.fused_recurrent (the kernel's "
+        "state slots, accepted-token start and null-slot rule)",
+        removal="when vLLM CPU serves KDA layers",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_kda_recurrent:make_fused_recurrent_kda",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_kda_gather",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.kda",
+        qualname="gather_initial_states",
+        params=("state", "indices", "has_initial_state"),
+        versions=SUPPORTED_VLLM,
+        why="it asserts a CUDA or XPU state before its Triton kernel",
+        how="CPU tensors: the rows at the indices, zeros where there is no initial state",
+        removal="when vLLM CPU serves KDA layers",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_kda_gather:make_gather_initial_states",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_kda_scatter",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.kda",
+        qualname="scatter_states",
+        params=("state", "src", "indices"),
+        versions=SUPPORTED_VLLM,
+        why="it asserts a CUDA state before its Triton kernel",
+        how="CPU tensors: state[indices] = src; the original's register_warmup kept",
+        removal="when vLLM CPU serves KDA layers",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_kda_scatter:make_scatter_states",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_mhc_pre",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.model",
+        qualname="Glm5NextDecoderLayer.hc_pre",
+        params=("self", "x", "hc_fn", "hc_scale", "hc_base", "norm_weight", "norm_eps"),
+        versions=SUPPORTED_VLLM,
+        why="vLLM CPU's mHC pre op drops the layer's input RMSNorm (and is in _C only)",
+        how="CPU tensors: the original with the op's torch forward_native, then vLLM's "
+        "_apply_mhc_norm on the layer input",
+        removal="when vLLM's CPU mHC ops apply ``norm_weight``",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_mhc_pre:make_hc_pre",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_mhc_fused_post_pre",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.model",
+        qualname="Glm5NextDecoderLayer.hc_fused_post_pre",
+        params=(
+            "self",
+            "x",
+            "residual",
+            "post",
+            "comb",
+            "hc_fn",
+            "hc_scale",
+            "hc_base",
+            "norm_weight",
+            "norm_eps",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="vLLM CPU's fused mHC post + pre op drops the RMSNorm it is passed",
+        how="CPU tensors: the original with the op's torch forward_native, then vLLM's "
+        "_apply_mhc_norm on the layer input",
+        removal="when vLLM's CPU mHC ops apply ``norm_weight``",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_mhc_fused_post_pre:make_hc_fused_post_pre",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_glm5next_mhc_post",
+        feature="sparse-cpu",
+        module="vllm.models.glm5next.common.model",
+        qualname="Glm5NextDecoderLayer.hc_post",
+        params=("self", "x", "residual", "post", "comb"),
+        versions=SUPPORTED_VLLM,
+        why="vLLM CPU's mHC post op is in _C only (not _C_AVX2 / _C_AVX512)",
+        how="CPU tensors: the original with the op's torch forward_native (mhc_post_torch)",
+        removal="when vLLM CPU's mHC post op runs on every host it loads",
+        factory="vllm_mla.vllm.patches.cpu_glm5next_mhc_post:make_hc_post",
         platforms=("cpu",),
         on_import=True,
     ),
