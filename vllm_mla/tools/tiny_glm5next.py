@@ -103,43 +103,55 @@ def weights(
     spec: TinyModelSpec, vocab: int, normal: Callable[..., torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Seeded weights under GLM-5.3-Flash's checkpoint names."""
-    d, h, r = spec.hidden, spec.heads, spec.q_lora_rank
-    n, hd = spec.index_heads, spec.index_head_dim
+    d = spec.hidden
     out = {"model.embed_tokens.weight": normal(vocab, d)}
     for i, kind in enumerate(layer_types(spec)):
-        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
-        ix = f"{a}.indexer"
-        out |= {
-            f"{p}.input_layernorm.weight": torch.ones(d),
-            f"{p}.post_attention_layernorm.weight": torch.ones(d),
-            f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
-            f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
-            f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
-        }
+        p = f"model.layers.{i}"
+        out |= _block(spec, p, normal)
         if spec.mhc:
             out |= _mhc_weights(p, spec, normal)
         if kind == "linear_attention":
-            out |= _kda_weights(a, d, normal)
-            continue
-        out |= {
-            f"{a}.q_a_proj.weight": normal(r, d),
-            f"{a}.q_a_layernorm.weight": torch.ones(r),
-            f"{a}.q_b_proj.weight": normal(h * QK_NOPE, r),
-            f"{a}.kv_a_proj_with_mqa.weight": normal(LATENT, d),
-            f"{a}.kv_a_layernorm.weight": torch.ones(LATENT),
-            f"{a}.kv_b_proj.weight": normal(h * (QK_NOPE + V_HEAD), LATENT),
-            f"{a}.o_proj.weight": normal(d, h * V_HEAD),
-            f"{ix}.wq_b.weight": normal(n * hd, r),
-            f"{ix}.wk.weight": normal(hd, d),
-            f"{ix}.k_norm.weight": torch.ones(hd),
-            f"{ix}.k_norm.bias": torch.zeros(hd),
-            f"{ix}.weights_proj.weight": normal(n, d),
-            f"{ix}.index_kpool_compress_ape": normal(KPOOL, hd),
-            f"{ix}.index_kpool_compress_gate": normal(hd, d),
-        }
+            out |= _kda_weights(f"{p}.self_attn", d, normal)
+        else:
+            out |= _mla_weights(spec, f"{p}.self_attn", normal)
     out["model.norm.weight"] = torch.ones(d)
     out["lm_head.weight"] = normal(vocab, d)
     return {name: t.to(torch.bfloat16).float() for name, t in out.items()}
+
+
+def _block(spec: TinyModelSpec, p: str, normal: Callable) -> dict[str, torch.Tensor]:
+    """A decoder layer's norms and dense MLP."""
+    d = spec.hidden
+    return {
+        f"{p}.input_layernorm.weight": torch.ones(d),
+        f"{p}.post_attention_layernorm.weight": torch.ones(d),
+        f"{p}.mlp.gate_proj.weight": normal(spec.intermediate, d),
+        f"{p}.mlp.up_proj.weight": normal(spec.intermediate, d),
+        f"{p}.mlp.down_proj.weight": normal(d, spec.intermediate),
+    }
+
+
+def _mla_weights(spec: TinyModelSpec, a: str, normal: Callable) -> dict[str, torch.Tensor]:
+    """One MLA attention (no RoPE rows) and its kpool indexer."""
+    d, h, r = spec.hidden, spec.heads, spec.q_lora_rank
+    n, hd = spec.index_heads, spec.index_head_dim
+    ix = f"{a}.indexer"
+    return {
+        f"{a}.q_a_proj.weight": normal(r, d),
+        f"{a}.q_a_layernorm.weight": torch.ones(r),
+        f"{a}.q_b_proj.weight": normal(h * QK_NOPE, r),
+        f"{a}.kv_a_proj_with_mqa.weight": normal(LATENT, d),
+        f"{a}.kv_a_layernorm.weight": torch.ones(LATENT),
+        f"{a}.kv_b_proj.weight": normal(h * (QK_NOPE + V_HEAD), LATENT),
+        f"{a}.o_proj.weight": normal(d, h * V_HEAD),
+        f"{ix}.wq_b.weight": normal(n * hd, r),
+        f"{ix}.wk.weight": normal(hd, d),
+        f"{ix}.k_norm.weight": torch.ones(hd),
+        f"{ix}.k_norm.bias": torch.zeros(hd),
+        f"{ix}.weights_proj.weight": normal(n, d),
+        f"{ix}.index_kpool_compress_ape": normal(KPOOL, hd),
+        f"{ix}.index_kpool_compress_gate": normal(hd, d),
+    }
 
 
 def _kda_weights(a: str, d: int, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
