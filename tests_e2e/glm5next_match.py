@@ -7,13 +7,34 @@ within bounds measured from perturbed references (the comment above the constant
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 from compare import compare
+from conftest import run_engine_jobs, sparse_jobs
 from dsa_reference import BoundaryMargins, FlipAt
 from engine_job import MAX_TOKENS
 from glm5next_reference import reference
 
+from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
+
 INDEX_TOPK = 16
+
+
+def checkpoints(root: Path, spec: Callable[[int], TinyModelSpec]) -> dict[str, Path]:
+    """``first`` (seed 0) and ``second`` (seed 1, the reload) folders of ``spec(seed)``."""
+    return {
+        name: make_model(root / name, spec(seed)) for name, seed in (("first", 0), ("second", 1))
+    }
+
+
+def bf16_engines(models: dict[str, Path], out: Path, kvs: tuple[str, ...], **engine) -> dict:
+    """{KV record format: the bf16 engine on ``models`` through B12X_MLA_SPARSE, first then
+    reloaded}, one process each, side by side; ``engine``: more engine arguments."""
+    jobs = sparse_jobs(models, engine={"dtype": "bfloat16", **engine})
+    return run_engine_jobs({kv: jobs[kv] for kv in kvs}, out)
+
 
 # Error model. vLLM's GLM-5-next code runs in bf16 only (its indexer's
 # index_kpool_compress_gate is a bf16 Parameter and fwht128_quant_fp8 asserts a bf16 query:

@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 from compare import compare
-from conftest import KV_DTYPES, run_engine_jobs, sparse_jobs
+from conftest import KV_DTYPES
 from dsa_reference import BoundaryMargins, Decisions
 from engine_job import MAX_TOKENS, SPARSE_BACKEND, SPARSE_PROMPTS
 from glm5next_match import (
@@ -34,12 +34,14 @@ from glm5next_match import (
     KPOOL,
     POOL_TIE_RELATIVE,
     POOLS_SELECTED,
+    bf16_engines,
+    checkpoints,
     matcher,
     top5,
 )
 from glm5next_reference import load, reference
 
-from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
+from vllm_mla.tools.tinymodel import TinyModelSpec
 
 LAYERS = 2
 
@@ -50,25 +52,21 @@ def spec(seed: int) -> TinyModelSpec:
 
 @pytest.fixture(scope="session")
 def glm5_models(tmp_path_factory) -> dict:
-    """``first`` (seed 0) and ``second`` (seed 1, the reload) tiny GLM-5.3-Flash folders."""
-    root = tmp_path_factory.mktemp("glm5next-models")
-    return {
-        name: make_model(root / name, spec(seed)) for name, seed in (("first", 0), ("second", 1))
-    }
+    """``first`` and ``second`` (the reload) tiny GLM-5.3-Flash checkpoints."""
+    return checkpoints(tmp_path_factory.mktemp("glm5next-models"), spec)
 
 
 @pytest.fixture(scope="session")
 def glm5_engine(glm5_models, tmp_path_factory) -> dict[str, dict]:
-    """{"bfloat16"|"fp8": the tiny GLM-5.3-Flash through B12X_MLA_SPARSE, TP 1, bf16}."""
-    jobs = sparse_jobs(glm5_models, engine={"dtype": "bfloat16"})
-    return run_engine_jobs(jobs, tmp_path_factory.mktemp("glm5next-engine"))
+    """{"bfloat16"|"fp8": the bf16 engine on the checkpoints, TP 1}."""
+    return bf16_engines(glm5_models, tmp_path_factory.mktemp("glm5next-engine"), tuple(KV_DTYPES))
 
 
 @pytest.fixture(scope="session")
 def glm5_tp2(glm5_models, tmp_path_factory) -> dict:
     """The bf16-record engine at TP 2 (one CPU core per rank), first and reloaded."""
-    jobs = sparse_jobs(glm5_models, engine={"dtype": "bfloat16", "tensor_parallel_size": 2})
-    return run_engine_jobs({"tp2": jobs["bfloat16"]}, tmp_path_factory.mktemp("glm5-tp2"))["tp2"]
+    out = tmp_path_factory.mktemp("glm5-tp2")
+    return bf16_engines(glm5_models, out, ("bfloat16",), tensor_parallel_size=2)["bfloat16"]
 
 
 @pytest.fixture(scope="session")

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import pytest
 from compare import compare
-from conftest import KV_DTYPES, run_engine_jobs, sparse_jobs
+from conftest import KV_DTYPES
 from dsa_reference import replaced
 from engine_job import MAX_TOKENS
-from glm5next_match import INDEX_TOPK, matcher, top5
+from glm5next_match import INDEX_TOPK, bf16_engines, checkpoints, matcher, top5
 from glm5next_reference import load, reference
 
 from vllm_mla.tools import tiny_glm5next
-from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
+from vllm_mla.tools.tinymodel import TinyModelSpec
 
 LAYERS = 4
 KDA_LAYERS = 3  # layers 0-2; layer 3 is MLA
@@ -44,24 +44,23 @@ def spec(seed: int) -> TinyModelSpec:
 
 @pytest.fixture(scope="session")
 def kda_models(tmp_path_factory) -> dict:
-    """``first`` (seed 0) and ``second`` (seed 1, the reload) KDA + MLA + mHC checkpoints."""
-    root = tmp_path_factory.mktemp("glm5next-kda-models")
-    return {
-        name: make_model(root / name, spec(seed)) for name, seed in (("first", 0), ("second", 1))
-    }
+    """``first`` and ``second`` (the reload) KDA + MLA + mHC checkpoints."""
+    return checkpoints(tmp_path_factory.mktemp("glm5next-kda-models"), spec)
 
 
 @pytest.fixture(scope="session")
 def kda_engine(kda_models, tmp_path_factory) -> dict[str, dict]:
-    """{"bfloat16"|"fp8": the KDA + MLA + mHC checkpoint, TP 1, bf16, first then reloaded}."""
-    jobs = sparse_jobs(kda_models, engine={"dtype": "bfloat16"})
-    return run_engine_jobs(jobs, tmp_path_factory.mktemp("glm5next-kda-engine"))
+    """{"bfloat16"|"fp8": the bf16 engine on the checkpoints, TP 1}."""
+    return bf16_engines(
+        kda_models, tmp_path_factory.mktemp("glm5next-kda-engine"), tuple(KV_DTYPES)
+    )
 
 
 @pytest.fixture(scope="session")
 def kda_tp2(kda_models, tmp_path_factory) -> dict:
-    jobs = sparse_jobs(kda_models, engine={"dtype": "bfloat16", "tensor_parallel_size": 2})
-    return run_engine_jobs({"tp2": jobs["bfloat16"]}, tmp_path_factory.mktemp("kda-tp2"))["tp2"]
+    """The bf16-record engine at TP 2 (one CPU core per rank), first and reloaded."""
+    out = tmp_path_factory.mktemp("kda-tp2")
+    return bf16_engines(kda_models, out, ("bfloat16",), tensor_parallel_size=2)["bfloat16"]
 
 
 @pytest.fixture(scope="session")
