@@ -463,6 +463,37 @@ def test_each_unserved_setting_is_refused_at_construction_by_name(setting):
         construct(kpool_indexer.make_indexer(), config, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("method", "on_cpu", "refused"),
+    [("mtp", True, True), ("mtp", False, False), ("ngram", True, False), (None, True, False)],
+)
+def test_mtp_on_vllms_v1_proposer_is_refused_with_its_reason(method, on_cpu, refused):
+    """vLLM CPU 0.32 stops such an engine after loading with 'All drafting layers should
+    belong to the same kv cache group'; this says why, at construction. Elsewhere (the GPU
+    model runner v2, other methods, no speculation) nothing is refused."""
+    import importlib.util
+
+    speculative = None if method is None else SimpleNamespace(method=method)
+    reason = kpool_indexer.speculative_refusal(speculative, on_cpu)
+    has_v1 = importlib.util.find_spec(kpool_indexer.V1_PROPOSER) is not None
+    assert (reason is not None) == (refused and has_v1)
+    if reason is not None:
+        assert "speculative_config method=mtp" in reason and "second KV-cache group" in reason
+
+
+def test_vllms_v1_proposer_wants_one_group_and_the_tail_ring_is_its_own():
+    """The two facts the refusal rests on, read from the installed vLLM."""
+    import importlib
+    import inspect
+
+    proposer = pytest.importorskip(kpool_indexer.V1_PROPOSER)
+    check = inspect.getsource(proposer.SpecDecodeBaseProposer.validate_same_kv_cache_group)
+    assert "All drafting layers should belong to the same kv cache group" in check
+    attention = importlib.import_module("vllm.models.glm5next.common.attention")
+    tail = inspect.getsource(attention.Glm5NextTailCache.get_kv_cache_spec)
+    assert "CircularBufferSpec(" in tail and "block_size=ring" in tail
+
+
 def test_the_default_settings_construct():
     made = construct(kpool_indexer.make_indexer())
     assert made.vllm_mla_ours and made.topk_tokens == TOPK

@@ -42,7 +42,9 @@ Refused at construction (``refusals``; the message names the setting): decode / 
 context parallelism (vLLM's ``pool_cp_interleave`` sharding of the pool cache), the MXFP4
 index cache, ``skip_k_cache_insert``, no tail cache, an index head dim other than 128,
 and, where the pool size is known then, a top-k that is not a multiple of it or a top-k
-buffer narrower than ``topk + kpool - 1``.
+buffer narrower than ``topk + kpool - 1``. On vLLM CPU, MTP speculative decoding is
+refused there too, with vLLM's reason (``speculative_refusal``): its v1 proposer needs the
+draft's layers in one KV-cache group, and an MTP layer's tail ring is a second one.
 
 Construction on CUDA without DeepGEMM: vLLM's ``__init__`` raises when
 ``current_platform.is_cuda() and not has_deep_gemm()``; ours runs it with that module's
@@ -60,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable
@@ -253,6 +256,28 @@ def refusals(layer: object, parallel: object | None) -> list[str]:
         if width < topk + kpool - 1:
             out.append(f"a top-k buffer {width} wide (needs topk + kpool - 1 = {topk + kpool - 1})")
     return out
+
+
+V1_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
+
+
+def speculative_refusal(speculative: object | None, on_cpu: bool) -> str | None:
+    """Why vLLM cannot serve ``speculative`` (its speculative config) for a kpool model on
+    this platform, or None. vLLM's v1 speculative proposer (``V1_PROPOSER``, what vLLM CPU
+    0.32 runs) needs every draft attention layer in one KV-cache group
+    (``validate_same_kv_cache_group``), and a GLM-5.3-Flash MTP layer keeps its indexer's
+    tail ring (a ``CircularBufferSpec`` of ring-sized blocks) in a second one; vLLM serves
+    it with its GPU model runner v2 (``gpu/spec_decode/mtp``) only."""
+    if getattr(speculative, "method", None) != "mtp" or not on_cpu:
+        return None
+    if importlib.util.find_spec(V1_PROPOSER) is None:
+        return None
+    return (
+        "speculative_config method=mtp with a GLM-5.3-Flash (kpool indexer) model on vLLM "
+        "CPU: the MTP draft layer's tail ring is a second KV-cache group, and vLLM's v1 "
+        "speculative proposer needs one ('All drafting layers should belong to the same kv "
+        "cache group'); run without speculative decoding"
+    )
 
 
 def _refuse(layer: object, parallel: object | None) -> None:
@@ -474,6 +499,15 @@ def _parallel_config() -> object | None:
     return None if config is None else config.parallel_config
 
 
+def _refuse_speculative(on_cpu: bool) -> None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    reason = speculative_refusal(getattr(config, "speculative_config", None), on_cpu)
+    if reason is not None:
+        raise NotImplementedError(reason)
+
+
 def make_indexer() -> type:
     """``PortableSparseAttnIndexerKpool``: vLLM's kpool indexer op with our CPU and CUDA
     paths (module docstring)."""
@@ -494,6 +528,7 @@ def make_indexer() -> type:
             if ours:  # before vLLM's constructor, which asks for the DCP group
                 probe = _Arguments(*args, **kwargs)
                 _refuse(probe, _parallel_config())
+            _refuse_speculative(current_platform.is_cpu())
             lifted = dsa_indexer._deep_gemm_guard_lifted(module) if ours and on_cuda else None
             with lifted or contextlib.nullcontext():
                 super().__init__(*args, **kwargs)
