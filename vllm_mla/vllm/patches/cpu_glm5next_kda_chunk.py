@@ -17,6 +17,7 @@ Removal: when vLLM CPU serves KDA layers.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -34,50 +35,37 @@ def require(served: bool, setting: str) -> None:
         raise reference.KDAError(f"KDA on CPU: {setting} is not served (vllm_mla.ops.kda)")
 
 
+def arguments_of(original: Callable) -> Callable[[tuple, dict], dict]:
+    """A call's arguments by ``original``'s parameter names, its defaults filled in (the
+    kernel wrapper's own defaults, whatever the vLLM version)."""
+    signature = inspect.signature(original)
+
+    def bind(args: tuple, kwargs: dict) -> dict:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    return bind
+
+
 def make_chunk_kda_with_fused_gate(original: Callable) -> Callable:
     """The replacement for ``chunk_kda_with_fused_gate``."""
+    bind = arguments_of(original)
 
-    def chunk_kda_with_fused_gate(
-        q,
-        k,
-        v,
-        raw_g,
-        beta,
-        A_log,
-        g_bias,
-        scale=None,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=False,
-        cu_seqlens=None,
-        safe_gate=False,
-        lower_bound=-5.0,
-        **kwargs,
-    ):
-        if not on_cpu(q, initial_state):
-            return original(
-                q,
-                k,
-                v,
-                raw_g,
-                beta,
-                A_log,
-                g_bias,
-                scale=scale,
-                initial_state=initial_state,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens,
-                safe_gate=safe_gate,
-                lower_bound=lower_bound,
-                **kwargs,
-            )
-        require(safe_gate and lower_bound is not None, "safe_gate=False (the unbounded gate)")
-        require(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel=False")
+    def chunk_kda_with_fused_gate(*args, **kwargs):
+        a = bind(args, kwargs)
+        if not on_cpu(a["q"], a["initial_state"]):
+            return original(*args, **kwargs)
+        lower_bound = a["lower_bound"]
+        require(a["safe_gate"] and lower_bound is not None, "safe_gate=False (the unbounded gate)")
+        require(a["use_qk_l2norm_in_kernel"], "use_qk_l2norm_in_kernel=False")
         telemetry.record_sparse("kda:chunk:cpu")
         o, final = reference.chunk_with_fused_gate(
-            q, k, v, raw_g, beta, A_log, g_bias, scale, initial_state, cu_seqlens, lower_bound
+            *(a[n] for n in ("q", "k", "v", "raw_g", "beta", "A_log", "g_bias", "scale")),
+            a["initial_state"],
+            a["cu_seqlens"],
+            lower_bound,
         )
-        return o, (final if output_final_state else None)
+        return o, (final if a["output_final_state"] else None)
 
     return chunk_kda_with_fused_gate

@@ -21,79 +21,40 @@ from collections.abc import Callable
 
 from vllm_mla.ops.kda import reference
 from vllm_mla.vllm import telemetry
-from vllm_mla.vllm.patches.cpu_glm5next_kda_chunk import on_cpu, require
+from vllm_mla.vllm.patches.cpu_glm5next_kda_chunk import arguments_of, on_cpu, require
 
 
 def make_fused_recurrent_kda(original: Callable) -> Callable:
     """The replacement for ``fused_recurrent_kda``."""
+    bind = arguments_of(original)
 
-    def fused_recurrent_kda(
-        q,
-        k,
-        v,
-        g,
-        beta=None,
-        scale=None,
-        initial_state=None,
-        inplace_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=None,
-        ssm_state_indices=None,
-        num_accepted_tokens=None,
-        out=None,
-        sigmoid_beta=False,
-        a_log=None,
-        g_bias=None,
-        compute_gate=False,
-        lower_bound=-5.0,
-        **kwargs,
-    ):
-        if not on_cpu(q, initial_state):
-            return original(
-                q,
-                k,
-                v,
-                g,
-                beta=beta,
-                scale=scale,
-                initial_state=initial_state,
-                inplace_final_state=inplace_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens,
-                ssm_state_indices=ssm_state_indices,
-                num_accepted_tokens=num_accepted_tokens,
-                out=out,
-                sigmoid_beta=sigmoid_beta,
-                a_log=a_log,
-                g_bias=g_bias,
-                compute_gate=compute_gate,
-                lower_bound=lower_bound,
-                **kwargs,
-            )
-        require(inplace_final_state, "inplace_final_state=False")
-        require(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel=False")
+    def fused_recurrent_kda(*args, **kwargs):
+        a = bind(args, kwargs)
+        state = a["initial_state"]
+        if not on_cpu(a["q"], state):
+            return original(*args, **kwargs)
+        require(a["inplace_final_state"], "inplace_final_state=False")
+        require(a["use_qk_l2norm_in_kernel"], "use_qk_l2norm_in_kernel=False")
         require(
-            initial_state is not None and ssm_state_indices is not None and cu_seqlens is not None,
+            state is not None
+            and a["ssm_state_indices"] is not None
+            and a["cu_seqlens"] is not None,
             "a call without the cache (initial_state, ssm_state_indices and cu_seqlens)",
         )
         telemetry.record_sparse("kda:recurrent:cpu")
         o = reference.fused_recurrent(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state,
-            ssm_state_indices,
-            cu_seqlens,
-            scale=scale,
-            num_accepted_tokens=num_accepted_tokens,
-            a_log=a_log if compute_gate else None,
-            g_bias=g_bias,
-            lower_bound=lower_bound,
-            sigmoid_beta=sigmoid_beta,
-            out=out,
+            *(a[n] for n in ("q", "k", "v", "g", "beta")),
+            state,
+            a["ssm_state_indices"],
+            a["cu_seqlens"],
+            scale=a["scale"],
+            num_accepted_tokens=a["num_accepted_tokens"],
+            a_log=a["a_log"] if a["compute_gate"] else None,
+            g_bias=a["g_bias"],
+            lower_bound=a["lower_bound"],
+            sigmoid_beta=a["sigmoid_beta"],
+            out=a["out"],
         )
-        return o, initial_state
+        return o, state
 
     return fused_recurrent_kda

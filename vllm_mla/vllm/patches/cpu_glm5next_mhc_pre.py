@@ -38,11 +38,18 @@ class _Native(nn.Module):
         return self.op.forward_native(*args, **kwargs)
 
 
+_NATIVE = "_vllm_mla_native"  # the op's one _Native, made at its first call
+
+
 @contextlib.contextmanager
 def native_op(layer: nn.Module, name: str) -> Iterator[None]:
     """``layer.<name>`` (an mHC CustomOp) answered by its ``forward_native`` for the block."""
     op = getattr(layer, name)
-    setattr(layer, name, _Native(op))
+    native = op.__dict__.get(_NATIVE)
+    if native is None:
+        native = _Native(op)
+        object.__setattr__(op, _NATIVE, native)  # not a submodule: no cycle in modules()
+    setattr(layer, name, native)
     try:
         yield
     finally:
