@@ -438,3 +438,139 @@ def test_cli_make_model_glm5next(tmp_path, capsys):
     kda = ["make-model", str(tmp_path / "k"), "--arch", "glm5-next", "--hidden", "64", "--kda"]
     assert main([*kda, "--vocab", "320", "--layers", "4"]) == 0
     assert "latent 512 no RoPE, 3 KDA layers" in capsys.readouterr().out
+
+
+V4 = TinyModelSpec(arch="deepseek-v4", layers=4, heads=2, hidden=64, intermediate=128, vocab=320)
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "v4", V4)
+
+
+def _v4_names(ratios: list[int], experts: int) -> set[str]:
+    """Every tensor of a DeepSeek-V4 checkpoint under its original names (what vLLM's
+    DeepseekV4ForCausalLM loads as they are), written out from the checkpoint's layout."""
+    names = {"embed.weight", "norm.weight", "head.weight"}
+    names |= {f"hc_head_{n}" for n in ("fn", "base", "scale")}
+    for i, ratio in enumerate(ratios):
+        p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
+        names |= {f"{p}.attn_norm.weight", f"{p}.ffn_norm.weight"}
+        names |= {f"{p}.hc_{b}_{n}" for b in ("attn", "ffn") for n in ("fn", "base", "scale")}
+        attn = ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b")
+        names |= {f"{a}.{n}.weight" for n in attn} | {f"{a}.attn_sink"}
+        compressors = {4: [f"{a}.compressor", f"{a}.indexer.compressor"], 128: [f"{a}.compressor"]}
+        for c in compressors.get(ratio, []):
+            names |= {f"{c}.{n}.weight" for n in ("wkv", "wgate", "norm")} | {f"{c}.ape"}
+        if ratio == 4:
+            names |= {f"{a}.indexer.wq_b.weight", f"{a}.indexer.weights_proj.weight"}
+        names |= {f"{f}.gate.weight", f"{f}.gate.tid2eid" if i == 0 else f"{f}.gate.bias"}
+        for e in [*(f"experts.{j}" for j in range(experts)), "shared_experts"]:
+            names |= {f"{f}.{e}.w{k}.weight" for k in (1, 2, 3)}
+    return names
+
+
+def test_v4_config_has_deepseek_v4s_own_keys(v4):
+    config = json.loads((v4 / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == (
+        "deepseek_v4",
+        ["DeepseekV4ForCausalLM"],
+    )
+    # window-only, C4 (indexed), C128, C4: every layer kind, a C4 before the C128
+    assert config["compress_ratios"] == [0, 4, 128, 4]
+    assert (config["head_dim"], config["qk_rope_head_dim"], config["index_head_dim"]) == (
+        512,
+        64,
+        128,
+    )
+    # the expert defaults vLLM CPU's _C routers are built for; one hash-routed layer first
+    assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (64, 6)
+    assert config["num_hash_layers"] == 1 and config["scoring_func"] == "sqrtsoftplus"
+    assert config["sliding_window"] == 128 and config["o_groups"] == 2
+    # bf16 weights, no FP8 (vLLM CPU serves FP8 linears only with AMX), no YaRN, no MTP
+    assert "quantization_config" not in config and "rope_scaling" not in config
+    assert config["num_nextn_predict_layers"] == 0 and config["torch_dtype"] == "bfloat16"
+
+
+def test_v4_tensors_are_the_original_checkpoint_names_on_the_bf16_grid(v4):
+    tensors = read(v4)
+    assert set(tensors) == _v4_names([0, 4, 128, 4], 64)
+    a = "layers.1.attn"
+    assert tensors[f"{a}.wq_b.weight"].shape == (2 * 512, 128)  # heads x 512, q_lora_rank
+    assert tensors[f"{a}.wkv.weight"].shape == (512, 64)  # one latent: K and V
+    assert tensors[f"{a}.wo_a.weight"].shape == (2 * 64, 2 * 512 // 2)  # groups x rank
+    assert tensors[f"{a}.compressor.ape"].shape == (4, 2 * 512)  # C4: overlapping halves
+    assert tensors[f"{a}.indexer.compressor.ape"].shape == (4, 2 * 128)
+    assert tensors["layers.2.attn.compressor.ape"].shape == (128, 512)  # C128: one series
+    assert tensors["layers.0.hc_attn_fn"].shape == (24, 4 * 64)  # (2 + n) n mixes, n = 4
+    assert tensors["hc_head_fn"].shape == (4, 4 * 64)
+    assert tensors["layers.1.ffn.experts.63.w2.weight"].shape == (64, 32)  # intermediate / 4
+    table = tensors["layers.0.ffn.gate.tid2eid"]
+    assert table.dtype == torch.int32 and table.shape == (320, 6)
+    assert table.min() >= 0 and table.max() < 64
+    assert all(len(set(row.tolist())) == 6 for row in table)  # six distinct experts a token
+    sinks = tensors[f"{a}.attn_sink"]
+    assert sinks.abs().min() > 0 and abs(sinks.mean() - 2.0) < 3  # drawn around sink_logit 2
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            assert t.dtype == torch.float32
+            assert torch.equal(t, t.to(torch.bfloat16).float()), name
+
+
+def test_v4_weights_follow_the_seed():
+    first, again = weights(V4, 320), weights(V4, 320)
+    other = weights(dataclasses.replace(V4, seed=1), 320)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not torch.equal(first["layers.1.attn.wkv.weight"], other["layers.1.attn.wkv.weight"])
+
+
+def test_v4_layer_pattern_grows_by_alternating_c4_and_c128():
+    from vllm_mla.tools.tiny_deepseekv4 import compress_ratios
+
+    assert compress_ratios(3) == [0, 4, 128]
+    assert compress_ratios(6) == [0, 4, 128, 4, 128, 4]
+
+
+def test_expert_defaults_follow_the_architecture():
+    assert (TinyModelSpec(arch="hy-v4").experts, TinyModelSpec(arch="hy-v4").experts_per_tok) == (
+        4,
+        2,
+    )
+    v4 = TinyModelSpec(arch="deepseek-v4")
+    assert (v4.experts, v4.experts_per_tok) == (64, 6)
+    assert TinyModelSpec(arch="deepseek-v4", experts=128, experts_per_tok=8).experts == 128
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layers": 2}, "needs --layers >= 3 .a window-only, a C4 and a C128 layer., got 2"),
+        ({"heads": 3}, "--heads 3 must be a multiple of the output projection's 2 head groups"),
+        ({"hc_mult": 1}, "--hc-mult must be >= 2 for deepseek-v4, got 1"),
+        ({"window": 0}, "--window must be >= 1, got 0"),
+        ({"mtp_layers": 1}, "--mtp-layers 1 is not made for --arch deepseek-v4"),
+        ({"kv_b_format": "fp8-block"}, "--kv-b-format 'fp8-block' is not made for --arch"),
+        ({"experts_per_tok": 65}, "--experts-per-tok 65 > --experts 64"),
+        ({"intermediate": 3}, "--intermediate 3 leaves experts no width"),
+    ],
+)
+def test_bad_v4_specs_name_the_setting(change, message):
+    with pytest.raises(MakeModelError, match=message):
+        TinyModelSpec(**{"arch": "deepseek-v4", **change})
+
+
+def test_the_window_is_deepseek_v4s_only():
+    with pytest.raises(MakeModelError, match="--window 64 is not made for --arch hy-v4"):
+        TinyModelSpec(arch="hy-v4", window=64)
+
+
+def test_cli_make_model_deepseek_v4(tmp_path, capsys):
+    args = ["make-model", str(tmp_path / "v"), "--arch", "deepseek-v4", "--hidden", "64"]
+    assert main([*args, "--vocab", "320", "--layers", "3", "--window", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek-V4: window 32, 1 C4 layers (indexer top-32 of 32 heads), 1 C128" in out
+    assert "64 experts" in out
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["sliding_window"] == 32
+    assert (
+        main(["make-model", str(tmp_path / "bad"), "--arch", "deepseek-v4", "--layers", "2"]) == 2
+    )

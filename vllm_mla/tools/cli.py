@@ -19,7 +19,7 @@ from rich.table import Table
 
 from vllm_mla.geometry import PRESETS, GeometryError
 from vllm_mla.kv_capacity import DSA_INDEX_BYTES, capacity
-from vllm_mla.tools import tiny_glm5next
+from vllm_mla.tools import tiny_deepseekv4, tiny_glm5next
 from vllm_mla.tools.checkpoint import CheckpointError
 from vllm_mla.tools.plot import PlotError, check_plot, write_plot
 from vllm_mla.tools.qualify import (
@@ -105,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
         "make-model", help="write a tiny DeepSeek-V2/V3.2-style MLA model (no downloads)"
     )
     m.add_argument("path", help="folder to write (created; files in it are overwritten)")
-    m.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    m.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default 2; deepseek-v4: 4)"
+    )
     m.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     m.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     m.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
@@ -142,21 +144,41 @@ def _parser() -> argparse.ArgumentParser:
         help="deepseek (default: DeepSeek-V2, or V3.2 with --sparse), hy-v4 (HY-V4: DSA with "
         "shared indexers, a learnable attention sink, iHC, gated MLA, MoE) or glm5-next "
         "(GLM-5.3-Flash's text model: MLA of latent 512 without RoPE, the kpool indexer, every "
-        "layer MLA unless --kda); --q-lora-rank, --index-topk and --index-heads apply to both",
+        "layer MLA unless --kda) or deepseek-v4 (DeepSeek-V4: head 512 with a sliding window, C4 "
+        "indexed and C128 compressed layers, a sink, mHC, hash and score-routed MoE); "
+        "--q-lora-rank, --index-topk and --index-heads apply to all of them",
     )
-    m.add_argument("--experts", type=int, default=4, help="with --arch hy-v4 (default 4)")
-    m.add_argument("--experts-per-tok", type=int, default=2, help="with --arch hy-v4 (default 2)")
+    m.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="with --arch hy-v4 (default 4) or deepseek-v4 (default 64)",
+    )
+    m.add_argument(
+        "--experts-per-tok",
+        type=int,
+        default=None,
+        help="with --arch hy-v4 (default 2) or deepseek-v4 (default 6)",
+    )
+    m.add_argument(
+        "--window",
+        type=int,
+        default=128,
+        help="with --arch deepseek-v4: the sliding window every layer attends to (default 128)",
+    )
     m.add_argument(
         "--hc-mult",
         type=int,
         default=4,
-        help="with --arch hy-v4 (iHC) or glm5-next --mhc: residual streams (default 4)",
+        help="with --arch hy-v4 (iHC), deepseek-v4 or glm5-next --mhc: residual streams "
+        "(default 4)",
     )
     m.add_argument(
         "--sink-logit",
         type=float,
         default=2.0,
-        help="with --arch hy-v4: mean of the per-head attention-sink logits, std 1 (default 2)",
+        help="with --arch hy-v4 or deepseek-v4: mean of the per-head attention-sink logits, "
+        "std 1 (default 2)",
     )
     m.add_argument(
         "--kda",
@@ -346,6 +368,14 @@ def _make_model(args: argparse.Namespace) -> int:
             kind += f", {kinds.count('linear_attention')} KDA layers"
         if spec.mhc:
             kind += f", mHC over {spec.hc_mult} streams"
+    if spec.arch == "deepseek-v4":
+        ratios = tiny_deepseekv4.compress_ratios(spec.layers)
+        kind = (
+            f", DeepSeek-V4: window {spec.window}, {ratios.count(tiny_deepseekv4.C4)} C4 layers "
+            f"(indexer top-{spec.index_topk} of {spec.index_heads} heads), "
+            f"{ratios.count(tiny_deepseekv4.C128)} C128, {spec.experts} experts, attention sink, "
+            f"mHC over {spec.hc_mult} streams"
+        )
     print(f"wrote {folder} ({size / MIB:.1f} MiB): {spec.layers} layers, {spec.heads} heads{kind}")
     return 0
 

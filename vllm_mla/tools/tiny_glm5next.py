@@ -109,7 +109,7 @@ def weights(
         p = f"model.layers.{i}"
         out |= _block(spec, p, normal)
         if spec.mhc:
-            out |= _mhc_weights(p, spec, normal)
+            out |= mhc_weights(p, spec, normal)
         if kind == "linear_attention":
             out |= _kda_weights(f"{p}.self_attn", d, normal)
         else:
@@ -174,10 +174,10 @@ def _kda_weights(a: str, d: int, normal: Callable[..., torch.Tensor]) -> dict[st
     }
 
 
-def _mhc_weights(p: str, spec: TinyModelSpec, normal: Callable) -> dict[str, torch.Tensor]:
-    """One layer's hyper-connection weights under vLLM's names (transformers renames them
-    ``attn_hc.fn`` ...): the mixing projection scaled so its logits are O(1) on the
-    normalized streams, biases O(1), scales near 1."""
+def mhc_weights(p: str, spec: TinyModelSpec, normal: Callable) -> dict[str, torch.Tensor]:
+    """One layer's hyper-connection weights under vLLM's (and DeepSeek-V4's) names
+    (transformers renames them ``attn_hc.fn`` ...): the mixing projection scaled so its
+    logits are O(1) on the normalized streams, biases O(1), scales near 1."""
     n, width = spec.hc_mult, spec.hc_mult * spec.hidden
     mix = (2 + n) * n
     out = {}

@@ -52,6 +52,11 @@ With ``arch="glm5-next"`` the checkpoint is GLM-5.3-Flash's text model (``glm5_n
 ``Glm5NextForCausalLM``): MLA of latent 512 without RoPE and the kpool indexer, every
 layer MLA (or, with ``kda``, KDA linear attention on three layers of four, as the
 checkpoint) with a dense MLP and no mHC (``tiny_glm5next`` says what and why).
+
+With ``arch="deepseek-v4"`` the checkpoint is DeepSeek-V4's text model (``deepseek_v4``,
+``DeepseekV4ForCausalLM``) under its original tensor names: attention of head 512 with a
+sliding window, C4 (indexed) and C128 compressed layers, the sink, mHC and MoE with hash
+routing first (``tiny_deepseekv4`` says what and why).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from safetensors.torch import save_file
 
 from vllm_mla.formats import LATENT
 from vllm_mla.quant import fp8_block, mxfp8
-from vllm_mla.tools import tiny_glm5next
+from vllm_mla.tools import tiny_deepseekv4, tiny_glm5next
 
 KV_LORA_RANK = LATENT
 QK_ROPE = 64
@@ -76,7 +81,8 @@ V_HEAD = 128
 KV_B_FORMATS = ("fp32", "fp8-block", "mxfp8")
 EXACT_GRIDS = ("fp8-block", "mxfp8")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-ARCHS = ("deepseek", "hy-v4", "glm5-next")
+ARCHS = ("deepseek", "hy-v4", "glm5-next", "deepseek-v4")
+NEW_ARCHS = ARCHS[1:]  # DSA-family architectures: their own configs, fp32 kv_b only
 HYV4_QK_NOPE = 192  # HY-V4's qk_nope_head_dim and v_head_dim (DeepSeek's are 128 / 128)
 HYV4_V_HEAD = 256
 SWIGLU_LIMIT = 1000.0  # far above any (expert) activation here: the clamp never engages
@@ -90,7 +96,7 @@ class MakeModelError(ValueError):
 class TinyModelSpec:
     """What ``make_model`` writes; defaults give a ~7 MB, 2-layer, 4-head model."""
 
-    layers: int = 2
+    layers: int | None = None  # None: 2 (deepseek-v4: 4, every layer kind)
     heads: int = 4
     hidden: int = 256
     intermediate: int = 512
@@ -106,21 +112,34 @@ class TinyModelSpec:
     index_heads: int = 32  # sparse only; >= 32 keeps ReLU ties at 0 from deciding top-k
     index_head_dim: int = 128  # sparse only (vLLM's indexer is written for 128)
     mtp_layers: int = 0  # sparse only: multi-token-prediction layers (speculative decoding)
-    arch: str = "deepseek"  # "deepseek" (V2, or V3.2 with sparse); "hy-v4", "glm5-next" (DSA)
-    experts: int = 4  # hy-v4 (glm5-next: declared, its MLPs are dense): routed experts
-    experts_per_tok: int = 2  # hy-v4 only
-    hc_mult: int = 4  # hy-v4, and glm5-next with mhc: hyper-connection residual streams
-    sink_logit: float = 2.0  # hy-v4 only: mean of the per-head sink logits (std 1)
+    arch: str = "deepseek"  # "deepseek" (V2, or V3.2 with sparse); "hy-v4", "glm5-next" (DSA),
+    # "deepseek-v4"
+    # routed experts (glm5-next: declared, its MLPs are dense) and experts per token; None:
+    # the architecture's default (4 / 2; deepseek-v4: 64 / 6, what vLLM CPU's routers take)
+    experts: int | None = None
+    experts_per_tok: int | None = None
+    hc_mult: int = 4  # hy-v4, deepseek-v4, and glm5-next with mhc: hyper-connection streams
+    sink_logit: float = 2.0  # hy-v4, deepseek-v4: mean of the per-head sink logits (std 1)
+    window: int = 128  # deepseek-v4 only: the sliding window every layer attends to
     kda: bool = False  # glm5-next only: KDA layers in the checkpoint's pattern (3 of 4)
     mhc: bool = False  # glm5-next only: mHC (hc_mult streams, the Sinkhorn-mixed residual)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise MakeModelError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
+        v4 = self.arch == "deepseek-v4"
+        defaults = {
+            "layers": 4 if v4 else 2,
+            "experts": tiny_deepseekv4.DEFAULT_EXPERTS if v4 else 4,
+            "experts_per_tok": tiny_deepseekv4.DEFAULT_EXPERTS_PER_TOK if v4 else 2,
+        }
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)  # frozen: resolved once, here
         for flag in ("kda", "mhc"):
             if getattr(self, flag) and self.arch != "glm5-next":
                 raise MakeModelError(f"--{flag} is made for --arch glm5-next only, not {self.arch}")
-        if self.arch in ("hy-v4", "glm5-next"):
+        if self.arch in NEW_ARCHS:
             self._check_new_arch()
         for name in ("layers", "heads", "hidden", "intermediate"):
             if getattr(self, name) < 1:
@@ -155,8 +174,10 @@ class TinyModelSpec:
             "kv_b_format": (self.kv_b_format, "fp32"),
             "kv_b_exact": (self.kv_b_exact, False),
         }
-        if self.arch == "glm5-next":
+        if self.arch in ("glm5-next", "deepseek-v4"):
             unsupported["mtp_layers"] = (self.mtp_layers, 0)
+        if self.arch != "deepseek-v4":
+            unsupported["window"] = (self.window, 128)
         for name, (value, only) in unsupported.items():
             if value != only:
                 raise MakeModelError(
@@ -177,7 +198,9 @@ class TinyModelSpec:
                     f"index_kpool {tiny_glm5next.KPOOL}"
                 )
             return
-        if self.layers < 2:
+        if self.arch == "deepseek-v4":
+            self._check_deepseek_v4()
+        elif self.layers < 2:
             raise MakeModelError(
                 f"--arch hy-v4 needs --layers >= 2 (a dense layer, then MoE), got {self.layers}"
             )
@@ -188,6 +211,25 @@ class TinyModelSpec:
             raise MakeModelError(
                 f"--experts-per-tok {self.experts_per_tok} > --experts {self.experts}"
             )
+
+    def _check_deepseek_v4(self) -> None:
+        v4 = tiny_deepseekv4
+        if self.layers < 3:
+            raise MakeModelError(
+                f"--arch deepseek-v4 needs --layers >= 3 (a window-only, a C4 and a C128 "
+                f"layer), got {self.layers}"
+            )
+        if self.heads % v4.O_GROUPS:
+            raise MakeModelError(
+                f"--heads {self.heads} must be a multiple of the output projection's "
+                f"{v4.O_GROUPS} head groups (o_groups)"
+            )
+        if self.hc_mult < 2:
+            raise MakeModelError(f"--hc-mult must be >= 2 for deepseek-v4, got {self.hc_mult}")
+        if self.window < 1:
+            raise MakeModelError(f"--window must be >= 1, got {self.window}")
+        if v4.moe_intermediate(self) < 1:
+            raise MakeModelError(f"--intermediate {self.intermediate} leaves experts no width")
 
     @property
     def dsa(self) -> bool:
@@ -210,6 +252,8 @@ def config_dict(spec: TinyModelSpec, vocab: int) -> dict:
         return hyv4_config_dict(spec, vocab)
     if spec.arch == "glm5-next":
         return dsa_model_fields(spec, vocab) | tiny_glm5next.config_fields(spec)
+    if spec.arch == "deepseek-v4":
+        return {"vocab_size": vocab} | tiny_deepseekv4.config_fields(spec)
     config = {
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
@@ -389,6 +433,8 @@ def weights(spec: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
         return _hyv4_weights(spec, vocab, gen, normal)
     if spec.arch == "glm5-next":
         return tiny_glm5next.weights(spec, vocab, normal)
+    if spec.arch == "deepseek-v4":
+        return tiny_deepseekv4.weights(spec, vocab, gen, normal)
     d = spec.hidden
     out = {"model.embed_tokens.weight": normal(vocab, d)}
     for i in range(spec.layers):
