@@ -168,6 +168,29 @@ is imported)
     why: vLLM CPU's mHC post op is in _C only (not _C_AVX2 / _C_AVX512)
     removal: when vLLM CPU's mHC post op runs on every host it loads
 
+``cpu_dsv4_kernels`` (feature ``sparse-cpu``, CPU platform, applied when its module is
+imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.deepseek_v4.cpu.model.DeepseekV4ForCausalLM.__init__``
+    why: vLLM CPU's V4 kernels are in _C only; elsewhere V4 stops at its first kernel call
+    removal: when vLLM CPU's V4 kernels are built into every library it loads
+
+``cpu_dsv4_swa_indices`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.v1.attention.backends.mla.sparse_swa``
+    ``.ComputeSWAIndicesAndLensKernel.__call__``
+    why: DeepSeek-V4's sliding-window indices are a Triton kernel, which vLLM CPU cannot run
+    removal: when vLLM CPU serves ComputeSWAIndicesAndLensKernel without Triton
+
+``cpu_dsv4_tile_scheduler`` (feature ``sparse-cpu``, CPU platform, applied when its module
+is imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.deepseek_v4.cpu.cpu_mla``
+    ``.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler``
+    why: it leaves out the c1a / c2a schedulers the shared builder reads (KeyError: 'c1a')
+    removal: when vLLM's CPU builder returns every layer type the shared builder reads
+
 ``wake_check_sleep`` (feature ``wake-check``)
     versions: 0.32, 0.33, 0.34
     target: ``vllm.v1.worker.gpu_worker.Worker.sleep``
@@ -767,6 +790,69 @@ PATCHES: tuple[Patch, ...] = (
         how="CPU tensors: the original with the op's torch forward_native (mhc_post_torch)",
         removal="when vLLM CPU's mHC post op runs on every host it loads",
         factory="vllm_mla.vllm.patches.cpu_glm5next_mhc_post:make_hc_post",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_dsv4_kernels",
+        feature="sparse-cpu",
+        module="vllm.models.deepseek_v4.cpu.model",
+        qualname="DeepseekV4ForCausalLM.__init__",
+        params=("self", "vllm_config", "prefix"),
+        versions=SUPPORTED_VLLM,
+        why="vLLM CPU's V4 kernels are in _C only; elsewhere V4 stops at its first kernel call",
+        how="sparse.dsv4_cpu.refusal() (library, ISA cap, kernels missing) raised before the "
+        "original",
+        removal="when vLLM CPU's V4 kernels are built into every library it loads",
+        factory="vllm_mla.vllm.patches.cpu_dsv4_kernels:make_init",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_dsv4_swa_indices",
+        feature="sparse-cpu",
+        module="vllm.v1.attention.backends.mla.sparse_swa",
+        qualname="ComputeSWAIndicesAndLensKernel.__call__",
+        params=(
+            "self",
+            "swa_indices",
+            "swa_lens",
+            "window_size",
+            "index_width",
+            "left_visible",
+            "right_visible",
+            "query_start_loc",
+            "seq_lens",
+            "token_to_req_indices",
+            "is_valid_token",
+            "block_table",
+            "block_size",
+            "replay_start",
+            "num_tokens",
+            "token_offset",
+            "has_image",
+        ),
+        versions=SUPPORTED_VLLM,
+        why="DeepSeek-V4's sliding-window indices are a Triton kernel, which vLLM CPU cannot run",
+        how="CPU tensors without Triton: sparse.dsv4_cpu.swa_indices_and_lens (the kernel's "
+        "rows in torch)",
+        removal="when vLLM CPU serves ComputeSWAIndicesAndLensKernel without Triton",
+        factory="vllm_mla.vllm.patches.cpu_dsv4_swa_indices:make_call",
+        platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="cpu_dsv4_tile_scheduler",
+        feature="sparse-cpu",
+        module="vllm.models.deepseek_v4.cpu.cpu_mla",
+        qualname="DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler",
+        params=("self", "num_decode_tokens"),
+        versions=SUPPORTED_VLLM,
+        why="it leaves out the c1a / c2a schedulers the shared builder reads (KeyError: 'c1a')",
+        how="the original's schedulers plus None for every other _LAYER_TYPE_* of the "
+        "shared builder",
+        removal="when vLLM's CPU builder returns every layer type the shared builder reads",
+        factory="vllm_mla.vllm.patches.cpu_dsv4_tile_scheduler:make_build_tile_scheduler",
         platforms=("cpu",),
         on_import=True,
     ),

@@ -17,7 +17,9 @@ non-AVX512-BF16 builds lack. Two of vLLM's extension APIs put ours in its place:
   native decode path takes, e.g. MTP with 3: each request's rows flattened to one row per
   token).
 
-Both happen once per process, only on a CPU platform without Triton.
+Both happen once per process, only on a CPU platform without Triton. DeepSeek-V4's own
+CPU path gets its metadata kernels' stand-ins when vLLM imports its CPU model
+(``sparse.dsv4_cpu``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import torch
 
 from vllm_mla.ops.dcp import DCPShard
-from vllm_mla.vllm.sparse import indexer, kernel_targets, kpool_indexer
+from vllm_mla.vllm.sparse import dsv4_cpu, indexer, kernel_targets, kpool_indexer
 
 logger = logging.getLogger("vllm_mla")
 PREFILL_KERNEL = "vllm.v1.attention.backends.mla.indexer.BuildPrefillChunkMetadataKernel.kernel"
@@ -107,7 +109,11 @@ def register() -> str:
         return _registered
     from vllm.triton_utils import HAS_TRITON
 
-    done = [indexer.register("cpu"), kpool_indexer.register_on_import("cpu")]
+    done = [
+        indexer.register("cpu"),
+        kpool_indexer.register_on_import("cpu"),
+        dsv4_cpu.register_on_import(),
+    ]
     if not HAS_TRITON:
         kernel_targets.remember(PREFILL_KERNEL)  # its parameter order, before the override
         kernel_targets.register(

@@ -9,11 +9,47 @@ parameter names (``bind``), captured before the override replaces the kernel.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 _SIGNATURES: dict[str, inspect.Signature] = {}
+TRITON_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """One vLLM Triton kernel served by a torch stand-in on CPU (``register_kernels``)."""
+
+    kernel: str
+    impl: object
+    why: str
+    how: str
+    removal: str
+
+
+def launched_by_name(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, also taking Triton's launch options (dropped). vLLM's ``KernelOverride``
+    forwards a launch by keyword only when the stand-in's parameters are exactly the
+    kernel's (its signature, which ``functools.wraps`` keeps), and a jit-warmup launch
+    passes ``num_warps`` among them."""
+
+    @functools.wraps(fn)
+    def launch(**kwargs: object) -> None:
+        for option in TRITON_LAUNCH_OPTIONS:
+            kwargs.pop(option, None)
+        fn(**kwargs)
+
+    return launch
+
+
+def launch_arguments(path: str, args: tuple, kwargs: dict) -> dict[str, object]:
+    """``bind`` after dropping Triton's launch options (a direct ``kernel[grid](...,
+    num_warps=4)`` launch passes them to the stand-in)."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in TRITON_LAUNCH_OPTIONS}
+    return bind(path, args, kwargs)
 
 
 def kernel_at(path: str) -> object | None:
@@ -98,3 +134,28 @@ def register(overrides: dict[str, Callable]) -> None:
         register_kernels(overrides)
     finally:
         sys.modules.update(hidden)
+
+
+def _installed(dispatcher: object, name: str, impl: object) -> bool:
+    """Whether ``name`` already launches ``impl`` (registered by an earlier call)."""
+    host, attr = dispatcher._resolve_kernel(name)
+    return getattr(getattr(host, attr, None), "func", None) is impl
+
+
+def register_stand_ins(stand_ins: Iterable[StandIn]) -> bool:
+    """Each stand-in through ``register`` once (a second registration would wrap our own
+    wrapper), each kernel's parameter order remembered first; False where vLLM's Triton
+    runs (nothing registered)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return False
+    from vllm.triton_utils import dispatcher
+
+    wanted = {s.kernel: s.impl for s in stand_ins}
+    missing = {n: impl for n, impl in wanted.items() if not _installed(dispatcher, n, impl)}
+    for name in missing:
+        remember(name)
+    if missing:
+        register(missing)
+    return True

@@ -60,13 +60,10 @@ Triton, each with its why / how / removal).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import importlib.util
 import logging
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -162,37 +159,8 @@ def fused_q_kv_rmsnorm_kernel(
         out[:, :size] = (normed * weight[:size].float()).to(out.dtype)
 
 
-_TRITON_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
-
-
-def _launched_by_name(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn``, also taking Triton's launch options (dropped). vLLM's ``KernelOverride``
-    forwards a launch by keyword only when the stand-in's parameters are exactly the
-    kernel's (its signature, which ``functools.wraps`` keeps), and a jit-warmup launch
-    passes ``num_warps`` among them."""
-
-    @functools.wraps(fn)
-    def launch(**kwargs: object) -> None:
-        for option in _TRITON_LAUNCH_OPTIONS:
-            kwargs.pop(option, None)
-        fn(**kwargs)
-
-    return launch
-
-
-@dataclass(frozen=True)
-class StandIn:
-    """One vLLM Triton kernel served by a torch stand-in on CPU (``register_kernels``)."""
-
-    kernel: str
-    impl: object
-    why: str
-    how: str
-    removal: str
-
-
-STAND_INS: tuple[StandIn, ...] = (
-    StandIn(
+STAND_INS: tuple[kernel_targets.StandIn, ...] = (
+    kernel_targets.StandIn(
         kernel=f"{KERNELS_MODULE}._fwht_quant_kernel",
         impl=fwht_quant,
         why="the kpool indexer's query rotation and quantization (fwht128_quant_fp8, called "
@@ -202,7 +170,7 @@ STAND_INS: tuple[StandIn, ...] = (
         "rounding, ue8m0 e4m3 with floor 1e-4)",
         removal="when vLLM ships a CPU fwht128_quant_fp8",
     ),
-    StandIn(
+    kernel_targets.StandIn(
         kernel="vllm.v1.attention.backends.mla.compressor_utils.CompressedSlotMappingKernel.kernel",
         impl=compressed_slot_mapping_kernel,
         why="the indexer metadata builder maps each token to its pool slot "
@@ -212,9 +180,9 @@ STAND_INS: tuple[StandIn, ...] = (
         "with the kernel's PAD rule (a PAD token slot stays PAD) and DCP-local positions",
         removal="when vLLM registers a CPU CompressedSlotMappingKernel",
     ),
-    StandIn(
+    kernel_targets.StandIn(
         kernel="vllm.models.common.ops.fused_qk_rmsnorm.FusedQKVRMSNormKernel.kernel",
-        impl=_launched_by_name(fused_q_kv_rmsnorm_kernel),
+        impl=kernel_targets.launched_by_name(fused_q_kv_rmsnorm_kernel),
         why="GLM-5.3-Flash's MLA layers ask vLLM's MLA wrapper for fuse_qkv_rmsnorm=True "
         "(glm5next/common/attention.py), whose q_a / kv_a RMSNorm is this Triton kernel "
         "on every platform",
@@ -591,25 +559,11 @@ class _Arguments:
         self.use_fp4_cache = bool(self.use_fp4_cache)
 
 
-def _installed(dispatcher: object, name: str, impl: object) -> bool:
-    """Whether ``name`` already launches ``impl`` (registered by an earlier call)."""
-    host, attr = dispatcher._resolve_kernel(name)
-    return getattr(getattr(host, attr, None), "func", None) is impl
-
-
 def register_stand_ins() -> str:
     """``STAND_INS`` through vLLM's ``register_kernels`` (CPU without Triton); what
     happened."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if HAS_TRITON:
+    if not kernel_targets.register_stand_ins(STAND_INS):
         return "kpool kernels: vLLM's Triton runs here"
-    from vllm.triton_utils import dispatcher
-
-    wanted = {s.kernel: s.impl for s in STAND_INS}
-    missing = {n: impl for n, impl in wanted.items() if not _installed(dispatcher, n, impl)}
-    if missing:  # a second registration would wrap our own wrapper
-        kernel_targets.register(missing)
     return (
         "kpool query quantization, pool slot mapping and the fused q/kv RMSNorm in torch "
         "(register_kernels)"

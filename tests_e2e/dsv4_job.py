@@ -1,0 +1,82 @@
+"""One vLLM CPU engine serving a tiny DeepSeek-V4 through vLLM's own V4 path, as its own
+process: the short prompt alone, then the long and the short prompt in one batch.
+
+Usage: python dsv4_job.py MODEL OUT.json. bf16 (vLLM CPU's V4 path serves bf16 only),
+eager, the engine core in this process, greedy with the top log-probabilities. The long
+prompt (``LONG`` tokens) has more 4:1 compressed entries than the checkpoint's
+``index_topk`` of 512 (the only top-k vLLM CPU's V4 indexer serves), so the indexer
+selects; the short one is under the window's reach of a C128 entry or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+LONG, SHORT = 2100, 150  # 525 and 37 compressed entries at 4:1; 16 and 1 at 128:1
+MAX_TOKENS = 8
+TOP_LOGPROBS = 5
+MAX_MODEL_LEN = LONG + 64
+
+
+def prompt(length: int, stride: int, vocab: int) -> list[int]:
+    """Deterministic token ids past the three special tokens."""
+    return [3 + (stride * i) % (vocab - 3) for i in range(length)]
+
+
+def _generate(llm, prompts: list[list[int]]) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS
+    )
+    out = []
+    for request in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
+        o = request.outputs[0]
+        out.append(
+            {
+                "token_ids": list(o.token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in s.items()} for s in o.logprobs],
+            }
+        )
+    return out
+
+
+def _telemetry(model) -> dict:
+    from vllm_mla.vllm import telemetry
+
+    return telemetry.snapshot()
+
+
+def main(model: str, out_path: str) -> None:
+    from vllm import LLM
+
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    long, short = prompt(LONG, 7, vocab), prompt(SHORT, 11, vocab)
+    start = time.perf_counter()
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=2,
+        seed=0,
+    )
+    report = {"load_s": time.perf_counter() - start}
+    t = time.perf_counter()
+    report["alone"] = _generate(llm, [short])
+    report["batched"] = _generate(llm, [long, short])
+    report["generate_s"] = time.perf_counter() - t
+    report["telemetry"] = llm.apply_model(_telemetry)[0]
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
