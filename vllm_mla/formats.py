@@ -41,6 +41,23 @@ PAGE_ROWS = 64  # KV rows per page for DSA models (vLLM's FlashMLA-sparse block 
 # rounded up to this (vLLM glm5next's get_sparse_topk_buffer_width)
 TOPK_BUFFER_ALIGN = 128
 
+# DeepSeek-V4's attention records (vLLM's fp8_ds_mla for head 512): per token 448 e4m3
+# NoPE values, 64 bf16 RoPE values, 7 UE8M0 exponents (one per 64 NoPE values) and a pad
+# byte; a page holds its tokens' 576-byte data rows, then their 8-byte scale rows
+DSV4_HEAD = 512  # head_dim: one latent, K and V
+DSV4_NOPE = DSV4_HEAD - ROPE  # 448
+DSV4_QUANT_BLOCK = 64  # NoPE values sharing one UE8M0 scale
+DSV4_DATA_BYTES = DSV4_NOPE + 2 * ROPE  # 576
+DSV4_SCALE_BYTES = DSV4_NOPE // DSV4_QUANT_BLOCK + 1  # 8: seven exponents, a zero pad
+DSV4_RECORD = DSV4_DATA_BYTES + DSV4_SCALE_BYTES  # 584
+# vLLM's writers of these records differ for small values: its Triton writers floor a
+# block's amax at DSV4_FLOOR (scale >= 2**-22) and keep e4m3 subnormals; vLLM CPU's _C
+# writers floor amax / 448 at DSV4_FLOOR (scale >= 2**-13) and store 0 for a scaled value
+# under e4m3's smallest normal, 2**-6 (flush to zero)
+DSV4_FLOOR = 1e-4
+DSV4_WRITERS = ("cpu", "triton")
+E4M3_MIN_NORMAL = 2.0**-6
+
 # The DSA lightning indexer's key cache (DeepSeek-V3.2 / GLM-5)
 INDEX_HEAD_DIM = 128  # index_head_dim
 INDEX_RECORD_BYTES = INDEX_HEAD_DIM + 4  # 132: e4m3 key + one fp32 scale
