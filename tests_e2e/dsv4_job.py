@@ -1,11 +1,17 @@
 """One vLLM CPU engine serving a tiny DeepSeek-V4 through vLLM's own V4 path, as its own
 process: the short prompt alone, then the long and the short prompt in one batch.
 
-Usage: python dsv4_job.py MODEL OUT.json. bf16 (vLLM CPU's V4 path serves bf16 only),
+Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N]. bf16 (vLLM CPU's V4
+path serves bf16 only),
 eager, the engine core in this process, greedy with the top log-probabilities. The long
 prompt (``LONG`` tokens) has more 4:1 compressed entries than the checkpoint's
 ``index_topk`` of 512 (the only top-k vLLM CPU's V4 indexer serves), so the indexer
 selects; the short one is under the window's reach of a C128 entry or two.
+
+``--tp N``: tensor parallel over N worker processes (one core each, round robin). With
+``--perturb SEED`` every sparse-attention output of vLLM's kernel moves by one bf16
+step, up or down at random (seeded): the noise floor an implementation that rounds its
+attention differently stays within.
 """
 
 from __future__ import annotations
@@ -54,8 +60,36 @@ def _telemetry(model) -> dict:
     return telemetry.snapshot()
 
 
-def main(model: str, out_path: str) -> None:
+def perturb_attention(seed: int) -> None:
+    """vLLM's ``flash_mla_with_kvcache_cpu`` outputs times ``1 +- 2**-8``, then bf16."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    kernel = torch.ops._C.flash_mla_with_kvcache_cpu
+    gen = torch.Generator().manual_seed(seed)
+
+    def perturbed(out, *args):
+        kernel(out, *args)
+        sign = torch.randint(0, 2, out.shape, generator=gen).float() * 2 - 1
+        out.copy_((out.float() * (1 + sign * 2.0**-8)).to(out.dtype))
+
+    torch.ops._C.flash_mla_with_kvcache_cpu = perturbed
+
+
+def main(model: str, out_path: str, perturb_seed: int | None = None, tp: int = 1) -> None:
     from vllm import LLM
+
+    if perturb_seed is not None:
+        perturb_attention(perturb_seed)
+    parallel = {}
+    if tp > 1:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(cores[rank % len(cores)]) for rank in range(tp)
+        )
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function
+        parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
 
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
     long, short = prompt(LONG, 7, vocab), prompt(SHORT, 11, vocab)
@@ -67,6 +101,7 @@ def main(model: str, out_path: str) -> None:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=2,
         seed=0,
+        **parallel,
     )
     report = {"load_s": time.perf_counter() - start}
     t = time.perf_counter()
@@ -79,4 +114,7 @@ def main(model: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    args = sys.argv[1:]
+    seed = int(args[args.index("--perturb") + 1]) if "--perturb" in args else None
+    tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+    main(args[0], args[1], seed, tp)

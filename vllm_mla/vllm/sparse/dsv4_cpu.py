@@ -19,10 +19,10 @@ on, and writes fewer rows than its buffer has; it is replaced at its launcher (p
 ``cpu_dsv4_swa_indices``, ``swa_indices_and_lens`` here). The indexer's prefill-chunk
 metadata kernel is ``sparse-cpu``'s already (``sparse.cpu``).
 
-vLLM's V4 CPU kernels themselves (``V4_KERNELS``) are in its ``_C`` library only, which
-vLLM CPU loads on AVX-512 BF16 hosts; elsewhere ``refusal()`` names what is missing and why,
-and the model stops at construction (patch ``cpu_dsv4_kernels``) instead of at its first
-kernel call.
+vLLM's V4 CPU kernels themselves are in its ``_C`` library only, which vLLM CPU loads on
+AVX-512 BF16 hosts; elsewhere ``dsv4_ops`` defines them in torch (all 16 today) when the
+model is built (patch ``cpu_dsv4_kernels``), and ``refusal()`` names any still missing,
+so the model stops at construction instead of at its first kernel call.
 """
 
 from __future__ import annotations
@@ -32,32 +32,13 @@ import logging
 import torch
 
 from vllm_mla.vllm import on_import
-from vllm_mla.vllm.sparse import kernel_targets, kpool_indexer
+from vllm_mla.vllm.sparse import dsv4_ops, kernel_targets, kpool_indexer
 
 logger = logging.getLogger("vllm_mla")
 MODEL_MODULE = "vllm.models.deepseek_v4.cpu.model"  # imported when a V4 model loads on CPU
 TOKEN_REQUEST_KERNEL = "vllm.v1.attention.ops.metadata._token_request_mapping_kernel"
 PREFILL_KERNEL = "vllm.v1.attention.backends.mla.sparse_swa.ComputePrefillMetadataKernel.kernel"
 SLOT_KERNEL = "vllm.v1.attention.backends.mla.compressor_utils.CompressedSlotMappingKernel.kernel"
-# vLLM CPU's V4 kernels (csrc/cpu/sgl-kernels): in _C, absent from _C_AVX512 and _C_AVX2
-V4_KERNELS = (
-    "flash_mla_with_kvcache_cpu",
-    "fused_qnorm_rope_kv_insert_cpu",
-    "inverse_gptj_rope_o_proj_cpu",
-    "bmm_cpu",
-    "convert_weight_packed",
-    "save_partial_states_cpu",
-    "compress_norm_rope_store_cpu",
-    "compress_norm_rope_store_indexer_cpu",
-    "fused_indexer_q_rope_quant_cpu",
-    "fp8_paged_mqa_logits_cpu",
-    "topk_transform_512_cpu",
-    "hc_pre_fused_cpu",
-    "hc_post_fused_cpu",
-    "hc_head_fused_cpu",
-    "hash_topk_cpu",
-    "biased_topk_cpu",
-)
 
 
 def token_request_mapping(*args, **kwargs) -> None:
@@ -169,11 +150,10 @@ _registered: str | None = None
 
 
 def missing_kernels() -> list[str]:
-    """The ``V4_KERNELS`` the kernel library this process loaded does not have."""
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()
-    return [name for name in V4_KERNELS if not hasattr(torch.ops._C, name)]
+    """vLLM CPU's V4 kernels neither its loaded library nor our torch ops provide (ours
+    defined first where the library lacks them: ``dsv4_ops.register``)."""
+    dsv4_ops.register()
+    return dsv4_ops.missing()
 
 
 def refusal() -> str | None:
@@ -188,8 +168,8 @@ def refusal() -> str | None:
     return (
         f"DeepSeek-V4 is not served on this host: vLLM CPU's V4 kernels are in its _C "
         f"library only, which it loads on AVX-512 BF16 hosts; this process loads {loaded} "
-        f"(VLLM_MLA_CPU_ISA={host['isa']}), without {', '.join(missing[:3])} and "
-        f"{len(missing) - 3} more"
+        f"(VLLM_MLA_CPU_ISA={host['isa']}), and of the {len(dsv4_ops.OPS)} kernels torch "
+        f"serves {len(dsv4_ops.OPS) - len(missing)} so far; missing: {', '.join(missing)}"
     )
 
 
