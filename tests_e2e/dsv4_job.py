@@ -1,17 +1,18 @@
 """One vLLM CPU engine serving a tiny DeepSeek-V4 through vLLM's own V4 path, as its own
 process: the short prompt alone, then the long and the short prompt in one batch.
 
-Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N]. bf16 (vLLM CPU's V4
-path serves bf16 only),
-eager, the engine core in this process, greedy with the top log-probabilities. The long
-prompt (``LONG`` tokens) has more 4:1 compressed entries than the checkpoint's
-``index_topk`` of 512 (the only top-k vLLM CPU's V4 indexer serves), so the indexer
-selects; the short one is under the window's reach of a C128 entry or two.
+Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N] [--reload MODEL2].
+bf16 (vLLM CPU's V4 path serves bf16 only), eager, the engine core in this process,
+greedy with the top log-probabilities. The long prompt (``LONG`` tokens) has more 4:1
+compressed entries than the checkpoint's ``index_topk`` of 512 (the only top-k vLLM
+CPU's V4 indexer serves), so the indexer selects; the short one is under the window's
+reach of a C128 entry or two.
 
-``--tp N``: tensor parallel over N worker processes (one core each, round robin). With
-``--perturb SEED`` every sparse-attention output of vLLM's kernel moves by one bf16
-step, up or down at random (seeded): the noise floor an implementation that rounds its
-attention differently stays within.
+``--reload MODEL2``: then ``reload_weights`` with MODEL2 and the batch again
+(``reloaded``). ``--tp N``: tensor parallel over N worker processes (one core each,
+round robin). ``--perturb SEED``: every sparse-attention output of vLLM's kernel moves by
+one bf16 step, up or down at random (seeded): the noise floor an implementation that
+rounds its attention differently stays within.
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ def perturb_attention(seed: int) -> None:
     torch.ops._C.flash_mla_with_kvcache_cpu = perturbed
 
 
-def main(model: str, out_path: str, perturb_seed: int | None = None, tp: int = 1) -> None:
+def main(
+    model: str,
+    out_path: str,
+    perturb_seed: int | None = None,
+    tp: int = 1,
+    reload: str | None = None,
+) -> None:
     from vllm import LLM
 
     if perturb_seed is not None:
@@ -108,6 +115,9 @@ def main(model: str, out_path: str, perturb_seed: int | None = None, tp: int = 1
     report["alone"] = _generate(llm, [short])
     report["batched"] = _generate(llm, [long, short])
     report["generate_s"] = time.perf_counter() - t
+    if reload is not None:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": reload})
+        report["reloaded"] = _generate(llm, [long, short])
     report["telemetry"] = llm.apply_model(_telemetry)[0]
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
@@ -117,4 +127,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     seed = int(args[args.index("--perturb") + 1]) if "--perturb" in args else None
     tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
-    main(args[0], args[1], seed, tp)
+    reload = args[args.index("--reload") + 1] if "--reload" in args else None
+    main(args[0], args[1], seed, tp, reload)

@@ -6,11 +6,8 @@ tile schedulers; the refusal where vLLM's V4 kernels are absent."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import interpreted
 import pytest
 import torch
 
@@ -141,16 +138,7 @@ def test_the_stand_ins_equal_vllms_triton_kernels_in_the_interpreter():
     compressed-state slots at ratios 4 and 128: every output element equal to vLLM's own
     kernels run by Triton's CPU interpreter (integer arithmetic only), rows past a launch
     left as they were."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=Path(__file__).parent,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    interpreted.run(INTERPRETED)
 
 
 def test_vllms_token_mapping_runs_through_the_stand_in_once_registered():

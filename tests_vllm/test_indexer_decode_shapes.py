@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import interpreted
 import pytest
 import torch
 
@@ -201,16 +198,7 @@ def test_the_torch_stand_in_equals_vllms_triton_kernel():
     """Our ``prepare_uniform_decode`` against vLLM's own ``PrepareUniformDecodeKernel`` in
     Triton's CPU interpreter: the same three outputs, element for element, untouched rows
     left as they were."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", STAND_IN],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=Path(__file__).parent,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    interpreted.run(STAND_IN)
 
 
 @pytest.mark.parametrize("interleave", [1, 16])

@@ -23,12 +23,9 @@ import copy
 import importlib
 import importlib.util
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import interpreted
 import pytest
 import torch
 
@@ -709,13 +706,4 @@ def test_the_stand_ins_equal_vllms_triton_kernels_in_the_interpreter():
     where the interpreter's differ): every output byte equal, rows past the launch left;
     the fused q / kv RMSNorm stand-in against ``FusedQKVRMSNormKernel.kernel`` within one
     bf16 step (the order of a fp32 sum)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=Path(__file__).parent,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    interpreted.run(INTERPRETED)

@@ -24,38 +24,42 @@ def test_installed_vllm_is_supported():
     assert patches.supported(vllm.__version__)
 
 
-_HYV4_UPSTREAM = "hyv4_sink_reload not needed: its sink has a weight loader (make_attention_sink)"
-_HYV4_MODULE = "vllm.models.hy_v4.nvidia.model"
+_SINK_UPSTREAM = "not needed: its sink has a weight loader (make_attention_sink)"
+_SINKS_UPSTREAM = f"hyv4_sink_reload {_SINK_UPSTREAM}; dsv4_sink_reload {_SINK_UPSTREAM}"
+_ON_IMPORT = {"hyv4": "vllm.models.hy_v4.nvidia.model", "dsv4": "vllm.models.deepseek_v4.cpu.model"}
 
 
 @pytest.fixture
-def hyv4_when() -> str:
-    """What the line says of the on-import patch: applied at once where an earlier test
-    already imported its module, deferred otherwise (read before ``registered`` runs,
-    which itself may import it)."""
-    return "" if _HYV4_MODULE in sys.modules else f" (when {_HYV4_MODULE} is imported)"
+def sink_when() -> dict[str, str]:
+    """What the line says of each on-import sink patch: applied at once where an earlier
+    test already imported its module, deferred otherwise (read before ``registered``
+    runs, which itself may import it)."""
+    return {
+        key: "" if module in sys.modules else f" (when {module} is imported)"
+        for key, module in _ON_IMPORT.items()
+    }
 
 
-LIFECYCLE = {  # what the lifecycle feature applies, per vLLM version ({when}: hyv4_when)
+LIFECYCLE = {  # what the lifecycle feature applies, per vLLM version ({hyv4}, {dsv4}: sink_when)
     "0.32": "applied MLAAttention.process_weights_after_loading, "
-    "_copy_and_restore_kernel_tensors, HYV4Model.load_weights{when}, "
-    "finalize_layerwise_processing",
+    "_copy_and_restore_kernel_tensors, HYV4Model.load_weights{hyv4}, "
+    "DeepseekV4Model.load_weights{dsv4}, finalize_layerwise_processing",
     "0.33": "applied MLAAttention.process_weights_after_loading, "
-    f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_HYV4_UPSTREAM}",
+    f"_copy_and_restore_kernel_tensors, finalize_layerwise_processing; {_SINKS_UPSTREAM}",
     "0.34": "applied MLAAttention.process_weights_after_loading, "
-    f"_copy_and_restore_kernel_tensors; {_HYV4_UPSTREAM}; glm5next_reload not "
+    f"_copy_and_restore_kernel_tensors; {_SINKS_UPSTREAM}; glm5next_reload not "
     "needed: the indexer refills _wp_fp32 in its process_weights_after_loading and the KDA "
     "convolutions are one fused parameter",
 }
 
 
-def test_register_patches_the_lifecycle_target(hyv4_when, registered):
+def test_register_patches_the_lifecycle_target(sink_when, registered):
     assert registered["sparse"].startswith("applied _canonicalize_sparse_mla_kv_cache_dtype")
     assert registered["sparse-cpu"].startswith(  # this environment's platform is the CPU
         "applied CpuPlatform.get_attn_backend_cls, CpuPlatform.check_and_update_config"
     )
     assert {k: v for k, v in registered.items() if not k.startswith("sparse")} == {
-        "lifecycle": LIFECYCLE[patches.installed_minor()].format(when=hyv4_when),
+        "lifecycle": LIFECYCLE[patches.installed_minor()].format(**sink_when),
         "lifecycle-cpu": "applied UnquantizedFusedMoEMethod._setup_kernel",
         "query": "applied MLAAttention._v_up_proj; fused query projection "
         "(_DecodeConcatQuantFP8.register_oot, forward_mqa wrap; VLLM_MLA_QUERY=auto)",

@@ -13,6 +13,7 @@ import torch
 from vllm_mla.vllm.patches import (
     PATCHES,
     cpu_moe_reload_prepack,
+    dsv4_sink_reload,
     glm5next_reload,
     hyv4_sink_reload,
     installed_minor,
@@ -64,6 +65,44 @@ def test_the_sink_goes_through_its_weight_loader_and_the_rest_streams(rank_1_of_
     model.sink.weight_loader = lambda param, w: calls.append(w.tolist())
     load(model, iter([(SINK, sink + 10)]))
     assert calls == [[12.0, 13.0]]
+
+
+def test_deepseek_v4s_sink_goes_through_its_weight_loader_too(rank_1_of_2):
+    """The same loading for DeepSeek-V4's ``attn_sink`` (vLLM 0.32's CPU model copies it
+    past any loader, as HY-V4's did)."""
+    name = "layers.1.attn.attn_sink"
+    seen: list[str] = []
+
+    def original(self, weights):
+        seen.extend(n for n, _ in weights)
+        return set(seen)
+
+    model = _TinyHYV4()
+    model.named_parameters = lambda: iter([(name, model.sink)])
+    loaded = dsv4_sink_reload.make_load_weights(original)(
+        model, iter([("layers.1.attn.wkv.weight", torch.ones(1)), (name, torch.arange(4.0))])
+    )
+    assert seen == ["layers.1.attn.wkv.weight"] and name in loaded
+    assert model.sink.tolist() == [2.0, 3.0]
+
+
+def test_dsv4_sink_reload_targets_0_32_only():
+    """vLLM 0.32's CPU V4 loader copies the sink itself; 0.33 and 0.34 build it with
+    ``make_attention_sink`` and load it through that loader."""
+    import inspect
+
+    from vllm.models.deepseek_v4 import attention
+    from vllm.models.deepseek_v4.cpu import model
+
+    patch = _patch("dsv4_sink_reload")
+    source = inspect.getsource(model.DeepseekV4Model.load_weights)
+    if installed_minor() == "0.32":
+        assert patch.upstream_in("0.32") is None
+        assert "params_dict[name][:n].copy_(narrow_weight)" in source
+    else:
+        assert patch.upstream_in(installed_minor())
+        assert "make_attention_sink" in inspect.getsource(attention)
+        assert "attn_sink" not in source
 
 
 def test_hyv4_sink_reload_targets_0_32_only():

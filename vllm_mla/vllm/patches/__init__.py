@@ -29,6 +29,16 @@ the two agree and that every target exists in the installed vLLM):
     nothing loaded and puts the old sink back
     removal: with vLLM 0.32
 
+``dsv4_sink_reload`` (feature ``lifecycle``, CPU platform, applied when its module is
+imported)
+    versions: 0.32, 0.33, 0.34; not applied on 0.33: its sink has a weight loader
+    (make_attention_sink); not applied on 0.34: its sink has a weight loader
+    (make_attention_sink)
+    target: ``vllm.models.deepseek_v4.cpu.model.DeepseekV4Model.load_weights``
+    why: it copies the attention sink past any weight_loader, so a layerwise reload counts
+    nothing loaded and puts the old sink back
+    removal: with vLLM 0.32
+
 ``cpu_moe_reload_prepack`` (feature ``lifecycle-cpu``, CPU platform)
     versions: 0.32, 0.33, 0.34
     target: ``vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method``
@@ -428,6 +438,26 @@ PATCHES: tuple[Patch, ...] = (
         "which the reload wrapper counts and copies into the same storage",
         removal="with vLLM 0.32",
         factory="vllm_mla.vllm.patches.hyv4_sink_reload:make_load_weights",
+        on_import=True,
+    ),
+    Patch(
+        name="dsv4_sink_reload",
+        feature="lifecycle",
+        module="vllm.models.deepseek_v4.cpu.model",
+        qualname="DeepseekV4Model.load_weights",
+        params=("self", "weights"),
+        versions=SUPPORTED_VLLM,
+        upstream_at=(
+            ("0.33", "its sink has a weight loader (make_attention_sink)"),
+            ("0.34", "its sink has a weight loader (make_attention_sink)"),
+        ),
+        why="it copies the attention sink past any weight_loader, so a layerwise reload counts "
+        "nothing loaded and puts the old sink back",
+        how="the sink entries are held back and loaded through the parameter's weight_loader "
+        "(hyv4_sink_reload.sinks_through_their_loader)",
+        removal="with vLLM 0.32",
+        factory="vllm_mla.vllm.patches.dsv4_sink_reload:make_load_weights",
+        platforms=("cpu",),
         on_import=True,
     ),
     Patch(

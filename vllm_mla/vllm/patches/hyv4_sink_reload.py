@@ -32,6 +32,14 @@ def load_sink_heads(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
 
 def make_load_weights(original: Callable) -> Callable:
     """The replacement for ``HYV4Model.load_weights``."""
+    return sinks_through_their_loader(original, SINK)
+
+
+def sinks_through_their_loader(original: Callable, marker: str) -> Callable:
+    """``original`` (a model's ``load_weights``) with the weights whose names hold
+    ``marker`` (its per-head sinks) held back, then each loaded through its parameter's
+    ``weight_loader`` (``load_sink_heads`` where it has none), narrowed to this rank's
+    heads."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm.distributed import (
@@ -43,7 +51,7 @@ def make_load_weights(original: Callable) -> Callable:
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for name, weight in weights:
-                if SINK in name:
+                if marker in name:
                     held.append((name, weight))
                 else:
                     yield name, weight
