@@ -83,6 +83,8 @@ def test_grouped_o_projection(gen):
         bmm(out, x, pack(w.clone()), True, None)
         outs.append(out)
     assert bf16_steps(outs[1], outs[0]) <= 1
+    with pytest.raises(NotImplementedError, match=r"weight scale \(FP8 wo_a\) is not served"):
+        IMPL["bmm_cpu"](out, x, w, True, torch.ones(1))
 
 
 def test_hyper_connections(gen):

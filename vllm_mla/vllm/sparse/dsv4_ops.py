@@ -2,11 +2,12 @@
 
 vLLM CPU's V4 path calls 16 ops of its ``_C`` library (``torch.ops._C.<name>``), which
 only the AVX-512 BF16 build has; ``_C_AVX2`` and ``_C_AVX512`` have none. ``OPS`` is one
-row per op: vLLM's schema and a torch implementation of the same contract (``None``: not
-written yet). ``register()`` defines, in the ``_C`` namespace, each op the loaded library
-lacks and this table implements (with a fake for ``torch.compile``), so vLLM's own V4 code
-runs unchanged on any host. Where the library has an op, vLLM's runs; ``tests_vllm``
-compares every implementation with vLLM's on an AVX-512 BF16 host.
+row per op: vLLM's schema and a torch implementation of the same contract (``None``:
+not written, the op then missing). ``register()`` defines, in the ``_C`` namespace, each
+op the loaded library lacks and this table implements (with a fake for
+``torch.compile``), so vLLM's own V4 code runs unchanged on any host. Where the library
+has an op, vLLM's runs; ``tests_vllm`` compares every implementation with vLLM's on an
+AVX-512 BF16 host.
 
 ``convert_weight_packed`` / ``bmm_cpu`` go together: vLLM packs ``wo_a`` once with the
 first and multiplies with the second, so the stand-ins keep the weight as it is and
@@ -63,7 +64,11 @@ def _inverse_rope(o, positions, cos_sin, rope_dim):
 
 
 def _bmm(out, mat1, mat2, is_vnni, scale):
-    """``out[g] = mat1[g] @ mat2[g]^T`` (``mat2`` as ``_convert_weight_packed`` left it)."""
+    """``out[g] = mat1[g] @ mat2[g]^T`` (``mat2`` as our ``convert_weight_packed`` left it:
+    unpacked). A scale (an FP8 ``wo_a``, which vLLM CPU loads on AMX hosts only) is not
+    served: refused, named."""
+    if scale is not None:
+        raise NotImplementedError("bmm_cpu with a weight scale (FP8 wo_a) is not served in torch")
     out.copy_(torch.bmm(mat1.float(), mat2.float().transpose(1, 2)).to(out.dtype))
 
 
