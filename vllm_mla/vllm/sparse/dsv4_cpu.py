@@ -196,9 +196,3 @@ def register_on_import() -> str:
     if on_import.when_imported(MODEL_MODULE, _register):
         return register()
     return f"DeepSeek-V4 metadata kernels: registered when {MODEL_MODULE} is imported"
-
-
-def reset() -> None:
-    """Forget the registration (tests; vLLM keeps what ``register_kernels`` installed)."""
-    global _registered
-    _registered = None
