@@ -7,6 +7,7 @@ into ``DIR/essential.json`` after each row, so a timeout keeps what finished.
     python benchmarks/essential.py query   --out DIR  # safe bmm, absorbed bmm, fused query
     python benchmarks/essential.py sparse  --out DIR  # sparse MLA decode + extend, every record
     python benchmarks/essential.py indexer --out DIR  # DSA indexer insert / logits / top-k
+    python benchmarks/essential.py dsv4    --out DIR  # DeepSeek-V4 attention + record writer
     python benchmarks/essential.py report  --out DIR --step NAME=RC:SECONDS ...
 
 Each step: correctness on fresh inputs against the op's torch reference first, then CUDA
@@ -49,7 +50,7 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 MIN_TORCH, MIN_TRITON = (2, 11), (3, 6)  # the GPU image: torch 2.11.0+cu130, Triton 3.6.0
-STEPS = ("query", "sparse", "indexer")
+STEPS = ("query", "sparse", "indexer", "dsv4")
 NOT_RUN = "not run"
 # One bf16 rounding of an fp32 result (8 significant bits, round to nearest even): each
 # element moves by <= 2^-8 of itself, so ||err|| / ||ref|| <= 2^-8 = 3.9e-3; the fp32 sums
@@ -695,6 +696,36 @@ def step_indexer(sec: Section, device) -> None:
         )
 
 
+# ---------------------------------------------------------------- DeepSeek-V4
+
+
+def step_dsv4(sec: Section, device) -> None:
+    """V4's Triton attention (window + compressed sources, the sink) and record writer:
+    decode and prefill shapes against the torch reference, then writer + attention under
+    CUDA-graph replay on fresh inputs, then decode time vs the HBM roofline."""
+    import dsv4_attention as v4
+
+    gen = torch.Generator().manual_seed(0)
+    for name, t, h, n_window, n_comp in v4.DRY_SHAPES if DRY else v4.SHAPES:
+        sec.check(
+            f"dsv4 {name}",
+            lambda a=(name, t, h, n_window, n_comp): v4.check(*a, device, gen),
+            shape=f"T{t} H{h} window {n_window} + {n_comp}",
+        )
+    sec.graph(
+        "graph dsv4 decode",
+        lambda: v4.graph_check(capture, device, gen),
+        shape=f"T32 H64 window {v4.WINDOW} + top-{v4.TOPK}, writer + attention",
+    )
+    bw = None
+    if not DRY:
+        import common
+
+        bw = common.copy_bandwidth(device)
+        sec.data["copy_bandwidth_GBps"] = bw / 1e9
+    sec.timing("dsv4 decode vs HBM", lambda: v4.time_decode(device, gen, bw), shape="T32 H64")
+
+
 def _indexer_timing(t, device, gen, bw, heads=32, context=32768) -> dict:
     import common
     import sparse_indexer as si
@@ -872,7 +903,9 @@ def run_step(name: str, out_dir: Path) -> int:
     if DRY:
         sec.note("dry run: CPU, Triton interpreter, tiny shapes; CUDA graphs and timings skip")
     try:
-        {"query": step_query, "sparse": step_sparse, "indexer": step_indexer}[name](sec, device)
+        steps = {"query": step_query, "sparse": step_sparse, "indexer": step_indexer}
+        steps["dsv4"] = step_dsv4
+        steps[name](sec, device)
     except Exception as exc:  # an import or setup error: one line, the step fails
         sec.data["checks"].append(
             {

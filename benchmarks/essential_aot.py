@@ -5,9 +5,10 @@ The cases are the constexpr sets and pointer types the launchers use on a GPU:
 absorbed bmm (MXFP8 W_UK_T / W_UV views, every M bucket), fused query projection (BF16 /
 MXFP8 weight, BF16 / FP8 out, P 128 / 192), sparse MLA split (both cache formats, direct and
 split, both head tiles) and combine, indexer insert and paged logits (e4m3 / bf16 q, both
-head tiles). Fails on: a compile error, > 255 registers, shared memory over the target's
-opt-in limit per block. Spill stores / loads (``ptxas -v`` with Triton's bundled ptxas) and
-the stack frame are reported as a performance note, not a failure.
+head tiles), DeepSeek-V4's record writer (both rules) and attention. Fails on: a compile
+error, > 255 registers, shared memory over the target's opt-in limit per block. Spill
+stores / loads (``ptxas -v`` with Triton's bundled ptxas) and the stack frame are reported
+as a performance note, not a failure.
 
     python benchmarks/essential_aot.py [--arch 90 [--arch 120 ...]] [--json out.json]
 
@@ -42,6 +43,7 @@ from triton.compiler import ASTSource
 from vllm_mla.formats import ROPE
 from vllm_mla.ops.absorbed_matmul import kernel as bmm_kernel
 from vllm_mla.ops.absorbed_matmul.kernel import absorbed_bmm_kernel
+from vllm_mla.ops.dsv4 import triton_kernels as v4
 from vllm_mla.ops.query_projection import kernel as qp_kernel
 from vllm_mla.ops.query_projection.kernel import mla_query_projection_kernel
 from vllm_mla.ops.sparse_indexer import triton_kernels as ik
@@ -275,12 +277,52 @@ def indexer_cases() -> list[dict]:
     return cases
 
 
+def dsv4_cases() -> list[dict]:
+    """DeepSeek-V4's record writer (both rules) and attention (16 heads a program)."""
+    sig = {"rows_ptr": "*bf16", "slot_ptr": "*i64", "cache_ptr": "*u8"}
+    sig.update({n: "i32" for n in ("s_rt", "s_page", "block_size")})
+    cases = [
+        dict(
+            kernel="dsv4_write",
+            fn=v4._dsv4_write_kernel,
+            what=f"bf16 rows, {'vLLM CPU' if cpu else 'Triton'} rule",
+            sig=sig,
+            const=dict(CPU_RULE=cpu),
+            attrs=_aligned_attrs(sig, {"s_page"}),
+            options=dict(num_warps=v4.WRITE_WARPS),
+        )
+        for cpu in (True, False)
+    ]
+    ints = ("T", "H", "n_window", "n_comp", "w_block", "c_block", "s_w_page", "s_c_page")
+    ints += ("s_qt", "s_qh", "s_wt", "s_ct", "s_ot", "s_oh")
+    sig = {"q_ptr": "*bf16", "window_ptr": "*u8", "w_slot_ptr": "*i32", "comp_ptr": "*u8"}
+    sig.update({"c_slot_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16"})
+    sig.update({n: "i32" for n in ints})
+    sig["qk_scale"] = "fp32"
+    aligned = {"H", "s_w_page", "s_c_page", "s_qt", "s_qh", "s_ot", "s_oh"}
+    for heads in (64,):  # V4-Flash's 64 heads at TP 1; every H runs the same variant
+        bh = v4.block_h(heads)
+        cases.append(
+            dict(
+                kernel="dsv4_attend",
+                fn=v4._dsv4_attend_kernel,
+                what=f"H={heads} ({bh} a program, {v4.BLOCK_K} records a step)",
+                sig=sig,
+                const=dict(BLOCK_H=bh, BLOCK_K=v4.BLOCK_K, INTERPRET=False),
+                attrs=_aligned_attrs(sig, aligned),
+                options=dict(num_warps=v4.NUM_WARPS, num_stages=v4.NUM_STAGES),
+            )
+        )
+    return cases
+
+
 def cases_for(arch: int) -> list[dict]:
     return [
         *absorbed_bmm_cases(),
         *query_projection_cases(),
         *sparse_mla_cases(arch),
         *indexer_cases(),
+        *dsv4_cases(),
     ]
 
 

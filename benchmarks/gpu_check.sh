@@ -13,7 +13,10 @@
 #          GLM-5 TP4 vs the HBM bandwidth measured in the same run, GLM-5.3-Flash decode
 #          (latent 512 without RoPE, H 8/16, the 2176-wide top-k buffer), then DCP: per-rank LSE
 #          through the Triton kernel under graph replay, merged vs DCP 1), `indexer` (insert,
-#          logits, top-k vs the oracle, graph replay, decode vs HBM). A failing or timed-out
+#          logits, top-k vs the oracle, graph replay, decode vs HBM), `dsv4` (DeepSeek-V4's
+#          Triton attention over window + compressed records with the sink, and its record
+#          writer: decode and prefill vs the torch reference, both under CUDA-graph replay
+#          on fresh inputs, decode vs HBM: benchmarks/dsv4_attention.py). A failing or timed-out
 #          step never stops the next. Writes $OUT/essential.json (every figure, versions,
 #          commit), $OUT/essential.md (rows ready for benchmarks/RESULTS.md), essential.log,
 #          build.log and memcheck.log, and prints the results table. Without CUDA (or with
@@ -63,7 +66,7 @@ esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 # ---- essential: one window. Step timeouts (seconds); tests/test_gpu_check_dry.py sums them.
-ESSENTIAL_STEPS="machine:20 build:85 memcheck:60 query:110 sparse:130 indexer:55 report:15"
+ESSENTIAL_STEPS="machine:20 build:80 memcheck:55 query:105 sparse:120 indexer:50 dsv4:35 report:10"
 t_of() { local kv; for kv in $ESSENTIAL_STEPS; do [ "${kv%%:*}" = "$1" ] && echo "${kv##*:}"; done; }
 EXITS=()
 timed() {  # name, command...: under the step's timeout; its exit code and seconds recorded
@@ -113,7 +116,7 @@ essential() {
     fi
   fi
   local s
-  for s in query sparse indexer; do
+  for s in query sparse indexer dsv4; do
     timed "$s" "$PY" benchmarks/essential.py "$s" --out "$OUT"
   done
   timed report "$PY" benchmarks/essential.py report --out "$OUT" "${EXITS[@]}" \

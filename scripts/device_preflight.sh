@@ -174,7 +174,7 @@ PY
 # among them run in the sm90 stage.
 TRITON_TESTS=(tests/test_query_projection.py tests/test_absorbed_bmm.py tests/test_query_bmm.py
               tests/test_direct.py tests/test_sparse_mla.py tests/test_sparse_mla_kv_format.py
-              tests/test_sparse_indexer_triton.py tests/test_benchmarks.py
+              tests/test_sparse_indexer_triton.py tests/test_dsv4_triton.py tests/test_benchmarks.py
               tests/test_gpu_check_dry.py)
 
 stage_interpret() {

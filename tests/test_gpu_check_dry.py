@@ -68,6 +68,7 @@ def test_dry_run_end_to_end(dry_run):
         "query": "dry",
         "sparse": "dry",
         "indexer": "dry",
+        "dsv4": "dry",
     }
     assert report["step_timeouts_s"] == step_timeouts()
     names = set()
@@ -80,6 +81,7 @@ def test_dry_run_end_to_end(dry_run):
         assert all(r.get("status") == "not run" for r in report["steps"][step]["timings"])
     assert {"safe_bmm", "absorbed_bmm", "fused_query", "sparse_mla decode"} <= names
     assert {"indexer insert", "indexer logits", "indexer top-k"} <= names
+    assert {"dsv4 decode C4", "dsv4 prefill C128"} <= names
     assert "skipped (dry run: no GPU)" in done.stdout  # the GPU parts say so
 
 
@@ -202,9 +204,21 @@ def test_gpu_timing_code_runs(eager_gpu, monkeypatch):
     assert [r["ours_us"] for r in rows] == [1.0, 1.0, 1.0] and rows[0]["roofline_us"] > 0
     row = essential._indexer_timing(1, cpu, torch.Generator().manual_seed(0), 1e12, 2, 128)
     assert row["key_bytes"] > 0 and row["ratio"] > 0
+    import dsv4_attention
+
+    row = dsv4_attention.time_decode(cpu, torch.Generator().manual_seed(0), 1e12, t=2, h=3)
+    assert row["ratio"] > 0 and row["base_us"] > 0
     # every timed closure ran once: safe bmm 3; decode path 3 modes + 2 x (fused, staged);
-    # the indexer 1
-    assert len(eager_gpu) == 3 + 7 + 1
+    # the indexer 1; V4's decode 1
+    assert len(eager_gpu) == 3 + 7 + 1 + 1
+
+
+def test_dsv4_graph_check_runs(eager_gpu):
+    import dsv4_attention
+
+    gen = torch.Generator().manual_seed(0)
+    row = dsv4_attention.graph_check(essential.capture, torch.device("cpu"), gen, t=2, h=3)
+    assert row["ok"] and row["writer_bytes_off"] == 0 and 0 < row["value"] <= 1
 
 
 def test_indexer_graph_check_runs(eager_gpu):
