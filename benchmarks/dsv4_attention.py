@@ -1,5 +1,5 @@
-"""DeepSeek-V4's Triton attention and record writer (``vllm_mla.ops.dsv4``) against the
-torch reference, at V4's decode and prefill shapes, plus CUDA-graph replay and a decode
+"""DeepSeek-V4's Triton attention, record writer and compressor (``vllm_mla.ops.dsv4``)
+against the torch reference, at V4's decode and prefill shapes, plus CUDA-graph replay and a decode
 timing against the HBM roofline. ``essential.py dsv4`` runs it on the GPU; on CPU the
 same checks run at tiny shapes in Triton's interpreter (no figure is a GPU result).
 
@@ -132,6 +132,34 @@ def check(name, t, h, n_window, n_comp, device, gen) -> dict:
     }
 
 
+# (ratio, coff, D): C4 and C128 main entries, C4 indexer keys
+COMPRESSORS = [(4, 2, 512), (128, 1, 512), (4, 2, 128)]
+COMPRESS_REL = 1e-5  # fp32 in another order than torch's: a few roundings of the row's max
+
+
+def compress_check(ratio, coff, width, t, device, gen) -> dict:
+    """``t`` window-ending tokens' entries (compress, norm, RoPE) against the reference:
+    ``value`` is the worst error over ``COMPRESS_REL`` times the row's largest value."""
+    state = torch.randn(64, 64, 2 * coff * width, generator=gen).to(device)
+    gather = torch.randint(0, 64 * 64, (t, coff * ratio), generator=gen, dtype=torch.int32)
+    gather[0, : ratio * (coff - 1) + 1] = -1  # a sequence's first window: rows before it
+    positions = torch.randint(0, 8192, (t,), generator=gen)
+    weight = torch.rand(width, generator=gen) + 0.5
+    cos_sin = torch.randn(8192, 64, generator=gen)
+    args = [x.to(device) for x in (gather, positions, weight)]
+    args = (state, *args, 1e-6, cos_sin.to(device), ratio)
+    ref = dispatch.compressed_rows(*args, impl="reference")
+    out = dispatch.compressed_rows(*args, impl="triton")
+    worst = ((out - ref).abs().amax(-1) / (COMPRESS_REL * ref.abs().amax(-1))).max()
+    return {
+        "metric": "worst error / bound",
+        "value": float(worst),
+        "bound": 1.0,
+        "model": "fp32 sums in another order (1e-5 of the row's largest value)",
+        "ok": float(worst) <= 1.0,
+    }
+
+
 def graph_check(capture, device, gen, t=32, h=64, rounds=3) -> dict:
     """Writer + attention captured once (``capture(step, device)`` gives a replay), replayed
     on fresh caches, queries, slots and sinks copied into the captured buffers: each replay
@@ -196,6 +224,9 @@ def main() -> int:
         {"name": name, **check(name, *shape, device, gen)}
         for name, *shape in (DRY_SHAPES if dry else SHAPES)
     ]
+    for ratio, coff, width in COMPRESSORS:
+        check_row = compress_check(ratio, coff, width, 3 if dry else 1024, device, gen)
+        rows.append({"name": f"compressor ratio {ratio} D {width}", **check_row})
     print(json.dumps(rows, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -700,9 +700,10 @@ def step_indexer(sec: Section, device) -> None:
 
 
 def step_dsv4(sec: Section, device) -> None:
-    """V4's Triton attention (window + compressed sources, the sink) and record writer:
-    decode and prefill shapes against the torch reference, then writer + attention under
-    CUDA-graph replay on fresh inputs, then decode time vs the HBM roofline."""
+    """V4's Triton attention (window + compressed sources, the sink), record writer and
+    compressor: decode and prefill shapes against the torch reference, then writer +
+    attention under CUDA-graph replay on fresh inputs, then decode time vs the HBM
+    roofline."""
     import dsv4_attention as v4
 
     gen = torch.Generator().manual_seed(0)
@@ -711,6 +712,13 @@ def step_dsv4(sec: Section, device) -> None:
             f"dsv4 {name}",
             lambda a=(name, t, h, n_window, n_comp): v4.check(*a, device, gen),
             shape=f"T{t} H{h} window {n_window} + {n_comp}",
+        )
+    for ratio, coff, width in v4.COMPRESSORS:
+        t = 3 if DRY else 1024
+        sec.check(
+            "dsv4 compressor",
+            lambda a=(ratio, coff, width, t): v4.compress_check(*a, device, gen),
+            shape=f"T{t} ratio {ratio} D {width}",
         )
     sec.graph(
         "graph dsv4 decode",

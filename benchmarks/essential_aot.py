@@ -5,7 +5,7 @@ The cases are the constexpr sets and pointer types the launchers use on a GPU:
 absorbed bmm (MXFP8 W_UK_T / W_UV views, every M bucket), fused query projection (BF16 /
 MXFP8 weight, BF16 / FP8 out, P 128 / 192), sparse MLA split (both cache formats, direct and
 split, both head tiles) and combine, indexer insert and paged logits (e4m3 / bf16 q, both
-head tiles), DeepSeek-V4's record writer (both rules) and attention. Fails on: a compile
+head tiles), DeepSeek-V4's record writer, compressor and attention. Fails on: a compile
 error, > 255 registers, shared memory over the target's opt-in limit per block. Spill
 stores / loads (``ptxas -v`` with Triton's bundled ptxas) and the stack frame are reported
 as a performance note, not a failure.
@@ -278,7 +278,8 @@ def indexer_cases() -> list[dict]:
 
 
 def dsv4_cases() -> list[dict]:
-    """DeepSeek-V4's record writer (both rules) and attention (16 heads a program)."""
+    """DeepSeek-V4's record writer (both rules), compressor (C4 and C128 main entries, C4
+    indexer keys) and attention (16 heads a program)."""
     sig = {"rows_ptr": "*bf16", "slot_ptr": "*i64", "cache_ptr": "*u8"}
     sig.update({n: "i32" for n in ("s_rt", "s_page", "block_size")})
     cases = [
@@ -293,6 +294,24 @@ def dsv4_cases() -> list[dict]:
         )
         for cpu in (True, False)
     ]
+    sig = {"state_ptr": "*fp32", "gather_ptr": "*i32", "pos_ptr": "*i64", "weight_ptr": "*fp32"}
+    sig.update({"cos_sin_ptr": "*fp32", "out_ptr": "*fp32"})
+    sig.update({n: "i32" for n in ("state_block", "s_page", "s_row", "s_gather", "s_cs")})
+    sig.update({"s_out": "i32", "eps": "fp32"})
+    aligned = {"s_page", "s_row", "s_cs", "s_out"}
+    for ratio, window, width in ((4, 8, 512), (128, 128, 512), (4, 8, 128)):
+        block = min(width, v4.COMPRESS_BLOCK_D)
+        cases.append(
+            dict(
+                kernel="dsv4_compress",
+                fn=v4._dsv4_compress_kernel,
+                what=f"ratio {ratio}, window {window}, D {width}",
+                sig=sig,
+                const=dict(RATIO=ratio, WINDOW=window, D=width, BLOCK_D=block),
+                attrs=_aligned_attrs(sig, aligned),
+                options=dict(num_warps=v4.COMPRESS_WARPS),
+            )
+        )
     ints = ("T", "H", "n_window", "n_comp", "w_block", "c_block", "s_w_page", "s_c_page")
     ints += ("s_qt", "s_qh", "s_wt", "s_ct", "s_ot", "s_oh")
     sig = {"q_ptr": "*bf16", "window_ptr": "*u8", "w_slot_ptr": "*i32", "comp_ptr": "*u8"}

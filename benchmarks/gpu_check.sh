@@ -14,9 +14,10 @@
 #          (latent 512 without RoPE, H 8/16, the 2176-wide top-k buffer), then DCP: per-rank LSE
 #          through the Triton kernel under graph replay, merged vs DCP 1), `indexer` (insert,
 #          logits, top-k vs the oracle, graph replay, decode vs HBM), `dsv4` (DeepSeek-V4's
-#          Triton attention over window + compressed records with the sink, and its record
-#          writer: decode and prefill vs the torch reference, both under CUDA-graph replay
-#          on fresh inputs, decode vs HBM: benchmarks/dsv4_attention.py). A failing or timed-out
+#          Triton attention over window + compressed records with the sink, its record
+#          writer and compressor vs the torch reference at decode and prefill shapes; writer
+#          + attention under CUDA-graph replay on fresh inputs; decode vs HBM:
+#          benchmarks/dsv4_attention.py). A failing or timed-out
 #          step never stops the next. Writes $OUT/essential.json (every figure, versions,
 #          commit), $OUT/essential.md (rows ready for benchmarks/RESULTS.md), essential.log,
 #          build.log and memcheck.log, and prints the results table. Without CUDA (or with

@@ -1,6 +1,7 @@
-"""DeepSeek-V4's Triton record writer and attention (``vllm_mla.ops.dsv4.triton_kernels``,
-through ``dispatch``) against the torch reference, in Triton's interpreter here, and
-compiled for sm_80 / 89 / 90 / 120 with Triton's bundled ptxas."""
+"""DeepSeek-V4's Triton record writer, compressor and attention
+(``vllm_mla.ops.dsv4.triton_kernels``, through ``dispatch``) against the torch reference,
+in Triton's interpreter here, and compiled for sm_80 / 89 / 90 / 120 with Triton's bundled
+ptxas."""
 
 from __future__ import annotations
 
@@ -116,6 +117,34 @@ def test_the_sink_takes_weight_and_no_token_gives_zeros():
     assert (no_sink[0, 0] - out[0, 0]).abs().max() > 10 * bound(window, w, compressed, w).max()
 
 
+# fp32 throughout, in another order than torch's (exp, the window's sums, the norm's mean):
+# a few fp32 roundings of each row's largest value.
+COMPRESS_REL = 1e-5
+
+
+@pytest.mark.parametrize(
+    ("ratio", "coff", "width"),
+    [(4, 2, 512), (128, 1, 512), (4, 2, 128)],  # C4 and C128 entries, C4 indexer keys
+)
+def test_compressed_rows_match_the_reference(ratio, coff, width):
+    """Each window-ending token's window compressed (C4: the previous window's rows give
+    their first half), normed and turned at the window's first position; slots before the
+    sequence (-1) take no weight; the state's pages strided."""
+    gen = torch.Generator().manual_seed(11)
+    pages = torch.randn(6, 16, 2 * coff * width + 8, generator=gen)
+    state = pages[..., : 2 * coff * width]  # strided pages, contiguous rows
+    gather = torch.randint(0, 96, (5, coff * ratio), generator=gen, dtype=torch.int32)
+    gather[0, : max(ratio * (coff - 1), 2)] = -1
+    positions = torch.randint(0, 300, (5,), generator=gen)
+    weight = torch.rand(width, generator=gen) + 0.5
+    cos_sin = torch.randn(400, 64, generator=gen)
+    args = (state, gather, positions, weight, 1e-6, cos_sin, ratio)
+    ref = dispatch.compressed_rows(*args, impl="reference")
+    out = dispatch.compressed_rows(*args, impl="triton")
+    err = (out - ref).abs().amax(-1)
+    assert (err <= COMPRESS_REL * ref.abs().amax(-1)).all(), err
+
+
 def test_arguments_are_named():
     window, _ = caches(seed=8)
     q = torch.zeros(2, 2, 512, dtype=torch.bfloat16)
@@ -136,6 +165,16 @@ def test_arguments_are_named():
         dispatch.write(window, torch.zeros(2, 448), torch.arange(2), B)
     with pytest.raises(ValueError, match="writer must be one of"):
         dispatch.write(window, torch.zeros(2, 512), torch.arange(2), B, writer="gpu")
+    state, cos_sin, pos = torch.zeros(2, 4, 2048), torch.zeros(9, 64), torch.zeros(3)
+    weight, gather = torch.ones(512), torch.zeros(3, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"gather_slots: \[T, ratio or 2 \* ratio\] for ratio 128"):
+        dispatch.compressed_rows(state, gather, pos, weight, 1e-6, cos_sin, 128)
+    with pytest.raises(ValueError, match="state_cache: rows of 2 \\* 2 \\* 128 contiguous"):
+        dispatch.compressed_rows(state, gather, pos, torch.ones(128), 1e-6, cos_sin, 4)
+    with pytest.raises(ValueError, match=r"state_cache: fp32 \[blocks, block_size"):
+        dispatch.compressed_rows(state.bfloat16(), gather, pos, weight, 1e-6, cos_sin, 4)
+    with pytest.raises(ValueError, match=r"positions: \[3\], got \(2,\)"):
+        dispatch.compressed_rows(state, gather, pos[:2], weight, 1e-6, cos_sin, 4)
 
 
 def test_auto_is_the_reference_on_cpu():
@@ -143,21 +182,23 @@ def test_auto_is_the_reference_on_cpu():
 
 
 def test_kernels_compile_for_gpu_targets(tmp_path):
-    """Both kernels lowered to cubin for sm_80 / 89 / 90 / 120 by ``essential_aot.py`` (the
-    cases the launchers use: both writer rules, the one head tile): no fp8 instruction, so
+    """The three kernels lowered to cubin for sm_80 / 89 / 90 / 120 by ``essential_aot.py``
+    (the cases the launchers use: both writer rules, the one head tile, C4 / C128 entries
+    and C4 indexer keys): no fp8 instruction, so
     SM80 compiles the same code; within each target's shared memory, <= 255 registers and
     no spill (ptxas -v)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, str(ROOT / "benchmarks" / "essential_aot.py")]
     args += [f"--arch={arch}" for arch in (80, 89, 90, 120)]
-    args += ["--kernel=dsv4_write", "--kernel=dsv4_attend", f"--json={tmp_path / 'aot.json'}"]
+    kernels = ("dsv4_write", "dsv4_attend", "dsv4_compress")
+    args += [f"--kernel={k}" for k in kernels] + [f"--json={tmp_path / 'aot.json'}"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((tmp_path / "aot.json").read_text())["rows"]
-    assert len(rows) == 4 * 3
+    assert len(rows) == 4 * 6  # per arch: 2 writer rules, 1 attention, 3 compressors
     assert {(r["arch"], r["kernel"]) for r in rows} == {
-        (arch, kernel) for arch in (80, 89, 90, 120) for kernel in ("dsv4_write", "dsv4_attend")
+        (arch, kernel) for arch in (80, 89, 90, 120) for kernel in kernels
     }
     for row in rows:
         assert row["ok"] and "warning" not in row, row  # no spill either

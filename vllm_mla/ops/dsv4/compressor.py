@@ -58,9 +58,21 @@ def compress(
     return (torch.softmax(score, dim=1) * kv.masked_fill(~valid[..., None], 0.0)).sum(1)
 
 
-def _normed_rotated(entries, weight, eps, positions, ratio, cos_sin):
-    normed = entries * torch.rsqrt(entries.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return rope.rotate(normed, positions // ratio * ratio, cos_sin)
+def entries(
+    state_cache: torch.Tensor,
+    gather_slots: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    ratio: int,
+) -> torch.Tensor:
+    """``[T, D]`` fp32 rows ready to store, one per window-ending token: its window
+    compressed (``compress``), RMSNorm with ``weight`` (``[D]``), RoPE at the window's
+    first position."""
+    rows = compress(state_cache, gather_slots, ratio, weight.numel())
+    normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return rope.rotate(normed, positions.long() // ratio * ratio, cos_sin)
 
 
 def _boundaries(positions: torch.Tensor, kv_slots: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -75,8 +87,7 @@ def store_entries(
     done = _boundaries(positions, kv_slots, ratio)
     if not done.any():
         return
-    entries = compress(state_cache, gather_slots[done], ratio, weight.numel())
-    rows = _normed_rotated(entries, weight, eps, positions[done].long(), ratio, cos_sin)
+    rows = entries(state_cache, gather_slots[done], positions[done], weight, eps, cos_sin, ratio)
     record.write(cache, rows, kv_slots[done], block)
 
 
@@ -101,8 +112,9 @@ def store_index_keys(
     done = _boundaries(positions, kv_slots, ratio)
     if not done.any():
         return
-    entries = compress(state_cache, gather_slots[done], ratio, INDEX_HEAD_DIM)
-    keys = _normed_rotated(entries, weight, eps, positions[done].long(), ratio, cos_sin)
+    if weight.numel() != INDEX_HEAD_DIM:
+        raise ValueError(f"an indexer key is {INDEX_HEAD_DIM} wide, got a norm of {weight.numel()}")
+    keys = entries(state_cache, gather_slots[done], positions[done], weight, eps, cos_sin, ratio)
     values, scales = index_key_bytes(keys)
     pages = cache.view(cache.shape[0], -1)
     slot = kv_slots[done].long()

@@ -15,7 +15,7 @@ import torch
 from vllm_mla import envs
 from vllm_mla.formats import DSV4_HEAD, DSV4_RECORD, DSV4_WRITERS
 from vllm_mla.ops.base import TRITON_AVAILABLE, triton_runs_on
-from vllm_mla.ops.dsv4 import attention, record
+from vllm_mla.ops.dsv4 import attention, compressor, record
 
 IMPLS = ("auto", "triton", "reference")
 TRITON_MIN_CAPABILITY = (8, 0)
@@ -130,5 +130,49 @@ def attend(
         window_cache, window_slots, window_block_size,
         compressed_cache, compressed_slots, compressed_block_size,
         sink.float().contiguous(), scale, out, envs.triton_interpret(),
+    )  # fmt: skip
+    return out
+
+
+def compressed_rows(
+    state_cache: torch.Tensor,
+    gather_slots: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    ratio: int,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``compressor.entries``' contract: ``[T, D]`` fp32 rows, each window-ending token's
+    window (``gather_slots`` ``[T, W]`` of the fp32 ``state_cache``) compressed, normed and
+    turned, ready for ``write`` (D 512) or the indexer's key writer (D 128)."""
+    width = weight.numel()
+    if state_cache.dtype != torch.float32 or state_cache.dim() != 3:
+        raise ValueError(
+            f"state_cache: fp32 [blocks, block_size, 2 * coff * D], got {state_cache.dtype} "
+            f"{tuple(state_cache.shape)}"
+        )
+    coff = gather_slots.shape[-1] // ratio if gather_slots.dim() == 2 else 0
+    if coff not in (1, 2) or gather_slots.shape[-1] != coff * ratio:
+        raise ValueError(
+            f"gather_slots: [T, ratio or 2 * ratio] for ratio {ratio}, got "
+            f"{tuple(gather_slots.shape)}"
+        )
+    if state_cache.shape[-1] != 2 * coff * width or state_cache.stride(-1) != 1:
+        raise ValueError(
+            f"state_cache: rows of 2 * {coff} * {width} contiguous values for a {width}-wide "
+            f"norm and a window of {gather_slots.shape[-1]}, got {tuple(state_cache.shape)}"
+        )
+    if positions.shape != gather_slots.shape[:1]:
+        raise ValueError(f"positions: [{gather_slots.shape[0]}], got {tuple(positions.shape)}")
+    if resolve(impl, state_cache.device) == "reference":
+        return compressor.entries(state_cache, gather_slots, positions, weight, eps, cos_sin, ratio)
+    from vllm_mla.ops.dsv4 import triton_kernels  # Triton is optional
+
+    out = torch.empty(gather_slots.shape[0], width, dtype=torch.float32, device=weight.device)
+    triton_kernels.launch_compress(
+        state_cache, gather_slots.contiguous(), positions.contiguous(), weight.float().contiguous(),
+        eps, cos_sin.float().contiguous(), ratio, out,
     )  # fmt: skip
     return out

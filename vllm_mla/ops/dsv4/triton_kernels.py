@@ -49,6 +49,8 @@ BLOCK_K = 32  # records gathered per step
 NUM_WARPS = 8  # 4 warps: 255 registers and spills (ptxas, sm90 / sm120)
 NUM_STAGES = 1
 WRITE_WARPS = 2
+COMPRESS_WARPS = 4
+COMPRESS_BLOCK_D = 32  # channels a step (C128: 128 rows of them; 64: 220-244 registers)
 _HEAD = tl.constexpr(DSV4_HEAD)
 _ROPE = tl.constexpr(DSV4_HEAD - DSV4_NOPE)
 _NOPE = tl.constexpr(DSV4_NOPE)
@@ -288,6 +290,103 @@ def _dsv4_attend_kernel(
     _store_piece(out_rows, hmask, acc5, inv_l, 5, INTERPRET)
     _store_piece(out_rows, hmask, acc6, inv_l, 6, INTERPRET)
     _store_piece(out_rows, hmask, acc7, inv_l, 7, INTERPRET)
+
+
+@triton.jit
+def _dsv4_compress_kernel(
+    state_ptr,
+    gather_ptr,
+    pos_ptr,
+    weight_ptr,
+    cos_sin_ptr,
+    out_ptr,
+    state_block,
+    s_page,
+    s_row,
+    s_gather,
+    s_cs,
+    s_out,
+    eps,
+    RATIO: tl.constexpr,
+    WINDOW: tl.constexpr,  # RATIO * coff: the rows a window's softmax spans
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, WINDOW)
+    slots = tl.load(gather_ptr + t * s_gather + w).to(tl.int64)
+    valid = slots >= 0
+    slots = tl.where(valid, slots, 0)
+    rows = state_ptr + (slots // state_block) * s_page + (slots % state_block) * s_row
+    # C4: the previous window's rows give their first half, the current one's the second
+    half = tl.where(w >= RATIO, D, 0) if WINDOW > RATIO else w * 0
+    state = WINDOW // RATIO * D  # the kv part's width; the scores follow it
+    out_row = out_ptr + t * s_out
+    squares = tl.zeros((BLOCK_D,), tl.float32)
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        ch = d0 + tl.arange(0, BLOCK_D)
+        at = rows[:, None] + half[:, None] + ch[None, :]
+        kv = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
+        score = tl.load(at + state, mask=valid[:, None], other=float("-inf")).to(tl.float32)
+        e = tl.exp(score - tl.max(score, axis=0)[None, :])
+        entry = tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+        squares += entry * entry
+        tl.store(out_row + ch, entry)
+    tl.debug_barrier()  # the entry is read back by other threads of this program
+    inv = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / D + eps)
+    for d0 in tl.static_range(0, D - _ROPE, BLOCK_D):
+        ch = d0 + tl.arange(0, BLOCK_D)
+        keep = ch < D - _ROPE
+        x = tl.load(out_row + ch, mask=keep)
+        tl.store(out_row + ch, x * inv * tl.load(weight_ptr + ch, mask=keep), mask=keep)
+    # RoPE at the window's first position: pair i = (2i, 2i + 1) of the last 64 values
+    start = tl.load(pos_ptr + t).to(tl.int64) // RATIO * RATIO
+    i = tl.arange(0, _ROPE // 2)
+    cos = tl.load(cos_sin_ptr + start * s_cs + i)
+    sin = tl.load(cos_sin_ptr + start * s_cs + _ROPE // 2 + i)
+    even_at = D - _ROPE + 2 * i
+    even = tl.load(out_row + even_at) * inv * tl.load(weight_ptr + even_at)
+    odd = tl.load(out_row + even_at + 1) * inv * tl.load(weight_ptr + even_at + 1)
+    tl.debug_barrier()
+    tl.store(out_row + even_at, even * cos - odd * sin)
+    tl.store(out_row + even_at + 1, even * sin + odd * cos)
+
+
+def launch_compress(
+    state_cache: torch.Tensor,
+    gather_slots: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    ratio: int,
+    out: torch.Tensor,
+) -> None:
+    """``out`` (``[T, D]`` fp32, contiguous rows) = ``compressor.entries``' rows."""
+    tokens, window = gather_slots.shape
+    if tokens == 0:
+        return
+    width = weight.numel()
+    _dsv4_compress_kernel[(tokens,)](
+        state_cache,
+        gather_slots,
+        positions,
+        weight,
+        cos_sin,
+        out,
+        state_cache.shape[1],
+        state_cache.stride(0),
+        state_cache.stride(1),
+        gather_slots.stride(0),
+        cos_sin.stride(0),
+        out.stride(0),
+        eps,
+        RATIO=ratio,
+        WINDOW=window,
+        D=width,
+        BLOCK_D=min(width, COMPRESS_BLOCK_D),
+        num_warps=COMPRESS_WARPS,
+    )
 
 
 def _page_stride(cache: torch.Tensor, block_size: int) -> int:
