@@ -231,3 +231,42 @@ def test_the_custom_ops_compile_and_run_each_implementation():
         compiled(cache, out, impl)
         assert torch.equal(cache, eager_cache)
         assert torch.equal(out, eager_out)
+
+
+def test_the_c4_indexer_runs_on_the_portable_indexer():
+    """V4's C4 indexer on a GPU without DeepGEMM: the indexer compressor's keys from the
+    Triton compressor, stored by the portable indexer's Triton key writer in the 132-byte
+    pages V4's indexer cache uses, V4's e4m3 queries (``indexer.quantize_queries``),
+    logits and top-k by the portable indexer's Triton kernels: the selection the torch
+    chain makes (top 16 of up to 40 compressed entries, so the choice matters)."""
+    from vllm_mla.ops.dsv4 import compressor, indexer
+    from vllm_mla.ops.sparse_indexer import api
+    from vllm_mla.ops.sparse_indexer import reference as oracle
+
+    gen = torch.Generator().manual_seed(12)
+    ratio, entries, block = 4, 40, 16
+    state = torch.randn(12, 16, 2 * 2 * 128, generator=gen)
+    positions = torch.arange(entries) * ratio + ratio - 1  # the window-ending tokens
+    # token i's window: the previous window's 4 state rows, then its own (-1 before 0)
+    gather = (positions[:, None] - 2 * ratio + 1 + torch.arange(2 * ratio)).to(torch.int32)
+    gather = gather.masked_fill(gather < 0, -1)
+    norm, cos_sin = torch.rand(128, generator=gen) + 0.5, torch.randn(256, 64, generator=gen)
+    args = (state, gather, positions, norm, 1e-6, cos_sin, ratio)
+    keys = {"reference": compressor.entries(*args)}
+    keys["triton"] = dispatch.compressed_rows(*args, impl="triton")
+    caches = {impl: torch.zeros(3, block, 132, dtype=torch.uint8) for impl in keys}
+    oracle.insert_keys(caches["reference"], keys["reference"], torch.arange(entries))
+    api.insert_keys(caches["triton"], keys["triton"], torch.arange(entries))
+
+    tokens, heads = 3, 4
+    q_pos = torch.tensor([159, 100, 63])  # 40, 25 and 16 entries ended by then
+    q = torch.randn(tokens, heads, 128, generator=gen)
+    q, weights = indexer.quantize_queries(
+        q, q_pos, cos_sin, torch.randn(tokens, heads, generator=gen), 128**-0.5, heads**-0.5
+    )
+    lengths = ((q_pos + 1) // ratio).to(torch.int32)
+    tables = torch.arange(3, dtype=torch.int32).expand(tokens, -1).contiguous()
+    want = oracle.index_topk(q, weights, caches["reference"], tables, lengths, 16)
+    got = api.index_topk(q, weights, caches["triton"], tables, lengths, 16, max_len=entries)
+    assert torch.equal(got, want)
+    assert (want[2] >= 0).sum() == 16 and (want[0] >= 0).sum() == 16
