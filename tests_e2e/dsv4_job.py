@@ -1,18 +1,24 @@
 """One vLLM CPU engine serving a tiny DeepSeek-V4 through vLLM's own V4 path, as its own
-process: the short prompt alone, then the long and the short prompt in one batch.
+process: the short prompt alone, then the long and the short prompt in one batch (then,
+with ``--selecting``, the selecting prompt alone).
 
-Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N] [--reload MODEL2].
+Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N] [--reload MODEL2]
+[--selecting].
 bf16 (vLLM CPU's V4 path serves bf16 only), eager, the engine core in this process,
 greedy with the top log-probabilities. The long prompt (``LONG`` tokens) has more 4:1
 compressed entries than the checkpoint's ``index_topk`` of 512 (the only top-k vLLM
 CPU's V4 indexer serves), so the indexer selects; the short one is under the window's
 reach of a C128 entry or two.
 
-``--reload MODEL2``: then ``reload_weights`` with MODEL2 and the batch again
-(``reloaded``). ``--tp N``: tensor parallel over N worker processes (one core each,
-round robin). ``--perturb SEED``: every sparse-attention output of vLLM's kernel moves by
-one bf16 step, up or down at random (seeded): the noise floor an implementation that
-rounds its attention differently stays within.
+``--selecting``: then the ``SELECTING``-token prompt alone (``selecting``): 1050
+compressed entries of which the indexer keeps 512, so which it keeps decides the output
+(of the long prompt's 525 it drops only 13: the comparison with transformers' DeepSeek-V4
+needs this one to tell a wrong selection from noise). ``--reload MODEL2``: then
+``reload_weights`` with MODEL2 and the batch again (``reloaded``). ``--tp N``: tensor
+parallel over N worker processes (one core each, round robin). ``--perturb SEED``: every
+sparse-attention output of vLLM's kernel moves by one bf16 step, up or down at random
+(seeded): the noise floor an implementation that rounds its attention differently stays
+within.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 LONG, SHORT = 2100, 150  # 525 and 37 compressed entries at 4:1; 16 and 1 at 128:1
+SELECTING = 4200  # 1050 at 4:1: the indexer keeps about half, and which half decides
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
-MAX_MODEL_LEN = LONG + 64
+MAX_MODEL_LEN = SELECTING + 64
 
 
 def prompt(length: int, stride: int, vocab: int) -> list[int]:
@@ -37,14 +44,19 @@ def prompt(length: int, stride: int, vocab: int) -> list[int]:
     return [3 + (stride * i) % (vocab - 3) for i in range(length)]
 
 
-def _generate(llm, prompts: list[list[int]]) -> list[dict]:
+def prompts(vocab: int) -> tuple[list[int], list[int], list[int]]:
+    """The long, the short and the selecting prompt."""
+    return prompt(LONG, 7, vocab), prompt(SHORT, 11, vocab), prompt(SELECTING, 7, vocab)
+
+
+def _generate(llm, batch: list[list[int]]) -> list[dict]:
     from vllm import SamplingParams
 
     params = SamplingParams(
         max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS
     )
     out = []
-    for request in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
+    for request in llm.generate([{"prompt_token_ids": p} for p in batch], params):
         o = request.outputs[0]
         out.append(
             {
@@ -84,6 +96,7 @@ def main(
     perturb_seed: int | None = None,
     tp: int = 1,
     reload: str | None = None,
+    selecting: bool = False,
 ) -> None:
     from vllm import LLM
 
@@ -99,7 +112,7 @@ def main(
         parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
 
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-    long, short = prompt(LONG, 7, vocab), prompt(SHORT, 11, vocab)
+    long, short, selecting_prompt = prompts(vocab)
     start = time.perf_counter()
     llm = LLM(
         model=model,
@@ -114,6 +127,8 @@ def main(
     t = time.perf_counter()
     report["alone"] = _generate(llm, [short])
     report["batched"] = _generate(llm, [long, short])
+    if selecting:
+        report["selecting"] = _generate(llm, [selecting_prompt])
     report["generate_s"] = time.perf_counter() - t
     if reload is not None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": reload})
@@ -128,4 +143,4 @@ if __name__ == "__main__":
     seed = int(args[args.index("--perturb") + 1]) if "--perturb" in args else None
     tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
     reload = args[args.index("--reload") + 1] if "--reload" in args else None
-    main(args[0], args[1], seed, tp, reload)
+    main(args[0], args[1], seed, tp, reload, "--selecting" in args)
