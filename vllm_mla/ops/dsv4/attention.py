@@ -16,6 +16,11 @@ import torch
 from vllm_mla.formats import DSV4_HEAD
 from vllm_mla.ops.dsv4 import record
 
+# fp32 key values gathered at once (128 MiB): queries run in chunks of tokens under it. A
+# prefill gathers every token's window and top-k: 4,350 tokens x 544 rows x 512 at once
+# were 4.8 GB per rank (a TP 2 engine killed for memory).
+MAX_GATHERED = 1 << 25
+
 
 def attend(
     q: torch.Tensor,
@@ -33,6 +38,18 @@ def attend(
     ``sink`` ``[H]`` holds each head's sink logit (``-inf``: no sink)."""
     if q.shape[-1] != DSV4_HEAD or q.dim() != 3:
         raise ValueError(f"queries must be [T, H, {DSV4_HEAD}], got {tuple(q.shape)}")
+    width = window_slots.shape[1] + (0 if compressed_slots is None else compressed_slots.shape[1])
+    step = max(1, MAX_GATHERED // (max(width, 1) * DSV4_HEAD))
+    if q.shape[0] > step:
+        return torch.cat([
+            attend(
+                q[i : i + step], window_cache, window_slots[i : i + step], window_block_size,
+                compressed_cache,
+                None if compressed_slots is None else compressed_slots[i : i + step],
+                compressed_block_size, sink, scale,
+            )
+            for i in range(0, q.shape[0], step)
+        ])  # fmt: skip
     slots = [(window_cache, window_slots, window_block_size)]
     if compressed_slots is not None and compressed_slots.numel():
         slots.append((compressed_cache, compressed_slots, compressed_block_size))
