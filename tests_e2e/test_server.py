@@ -128,7 +128,8 @@ def test_openai_server_serves_a_completion_and_stops(models, tmp_path):
         "applied cpu-mxfp8, lifecycle, lifecycle-cpu, query, sparse, sparse-cpu, wake-check"
         in summary
     )
-    assert "not applied: sparse-indexer (for cuda only)" in summary and len(summary) < 400
+    not_applied = "not applied: dsv4-gpu (for cuda only), sparse-indexer (for cuda only)"
+    assert not_applied in summary and len(summary) < 400
     assert "lifecycle: applied MLAAttention.process_weights_after_loading" in log  # DEBUG
     assert "registered B12X_MLA_SPARSE" in log and "vllm_mla.register()" in log
     assert "and CUSTOM" not in log  # nothing selected the sparse backend: the slot stays free

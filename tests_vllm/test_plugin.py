@@ -66,6 +66,7 @@ def test_register_patches_the_lifecycle_target(sink_when, registered):
         "cpu-mxfp8": "registered EmulationMxfp8LinearKernel for CPU (register_linear_kernel)",
         "wake-check": "applied Worker.sleep, Worker.wake_up, Worker.execute_model",
         "tp-pad": "skipped: off (VLLM_MLA_TP_PAD=1 turns it on)",  # opt-in
+        "dsv4-gpu": "skipped: for cuda only (platform cpu)",  # CPU here
     }
     assert registered["sparse-indexer"].startswith("skipped: for cuda only")  # CPU here
     assert current() is not STOCK and current().__wrapped__ is STOCK
@@ -290,7 +291,7 @@ def test_start_up_log_is_one_short_line_and_details_at_debug(monkeypatch, caplog
     assert len(line) < 300, line
     applied = sorted(k for k, v in result.items() if not v.startswith("skipped"))
     assert f"applied {', '.join(applied)};" in line
-    assert "not applied: sparse-indexer (for cuda only)" in line  # CPU here
+    assert "not applied: dsv4-gpu (for cuda only), sparse-indexer (for cuda only)" in line
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     for name, outcome in result.items():  # every feature's whole outcome, once
         assert debug.count(f"vllm-mla: {name}: {outcome}") == 1

@@ -12,7 +12,8 @@ keeps an explicit bfloat16 cache, lets an MTP draft inherit it), ``sparse-cpu`` 
 platform only: DSA models may select B12X_MLA_SPARSE, 64-row KV pages, the portable
 lightning indexer and torch stand-ins for vLLM's Triton-only metadata kernels),
 ``sparse-indexer`` (CUDA: the portable Triton DSA indexer where ``VLLM_MLA_INDEXER`` picks
-it), ``cpu-mxfp8`` (CPU platform only: vLLM's emulation MXFP8 linear kernel registered for
+it), ``dsv4-gpu`` (CUDA: DeepSeek-V4 on a GPU its attention backends declare they cannot
+run on is refused at start-up, named), ``cpu-mxfp8`` (CPU platform only: vLLM's emulation MXFP8 linear kernel registered for
 CPU, so MXFP8 checkpoints load) and ``wake-check`` (catches MLA weights discarded by sleep
 level 2 and not reloaded), ``tp-pad`` (applied only with ``VLLM_MLA_TP_PAD=1``: head-padded
 tensor parallelism, ``vllm_mla.tp_pad``).
@@ -34,6 +35,7 @@ FEATURES = (
     "sparse",
     "sparse-cpu",
     "sparse-indexer",
+    "dsv4-gpu",
     "cpu-mxfp8",
     "wake-check",
     "tp-pad",

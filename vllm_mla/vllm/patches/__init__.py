@@ -201,6 +201,14 @@ is imported)
     why: it leaves out the c1a / c2a schedulers the shared builder reads (KeyError: 'c1a')
     removal: when vLLM's CPU builder returns every layer type the shared builder reads
 
+``dsv4_gpu_capability`` (feature ``dsv4-gpu``, CUDA platform, applied when its module is
+imported)
+    versions: 0.32, 0.33, 0.34
+    target: ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls``
+    why: it picks FlashMLA's class on every GPU but SM12x without asking the backends'
+    declared capabilities, so V4 on SM80 / SM89 fails inside a kernel at the first step
+    removal: when vLLM's V4 selector checks its backends' declared capabilities
+
 ``wake_check_sleep`` (feature ``wake-check``)
     versions: 0.32, 0.33, 0.34
     target: ``vllm.v1.worker.gpu_worker.Worker.sleep``
@@ -884,6 +892,22 @@ PATCHES: tuple[Patch, ...] = (
         removal="when vLLM's CPU builder returns every layer type the shared builder reads",
         factory="vllm_mla.vllm.patches.cpu_dsv4_tile_scheduler:make_build_tile_scheduler",
         platforms=("cpu",),
+        on_import=True,
+    ),
+    Patch(
+        name="dsv4_gpu_capability",
+        feature="dsv4-gpu",
+        module="vllm.models.deepseek_v4.nvidia.model",
+        qualname="_select_dsv4_attn_cls",
+        params=("vllm_config",),
+        versions=SUPPORTED_VLLM,
+        why="it picks FlashMLA's class on every GPU but SM12x without asking the backends' "
+        "declared capabilities, so V4 on SM80 / SM89 fails inside a kernel at the first step",
+        how="after the original, a class whose backend declines the device's capability is "
+        "refused with every V4 class's declared capabilities named",
+        removal="when vLLM's V4 selector checks its backends' declared capabilities",
+        factory="vllm_mla.vllm.patches.dsv4_gpu_capability:make_select",
+        platforms=("cuda",),
         on_import=True,
     ),
     Patch(
