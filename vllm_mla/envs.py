@@ -5,18 +5,18 @@ ValueError naming the variable.
 
 The features of ``VLLM_MLA_FEATURES``: ``lifecycle`` (lean absorbed weights in MLA
 post-load, in-place reload), ``lifecycle-cpu`` (CPU platform only: a reload prepacks vLLM
-CPU's MoE experts), ``query`` (the safe BMM in MLA's V up-projection where the GPU or backend needs
-it, and the fused query projection on the decode path), ``sparse`` (registers the
-B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve to fp8_ds_mla for it and
+CPU's MoE experts), ``query`` (the safe BMM in MLA's V up-projection where the GPU or
+backend needs it, and the fused query projection on the decode path), ``sparse`` (registers
+the B12X_MLA_SPARSE attention backend, makes fp8 KV caches resolve to fp8_ds_mla for it and
 keeps an explicit bfloat16 cache, lets an MTP draft inherit it), ``sparse-cpu`` (CPU
 platform only: DSA models may select B12X_MLA_SPARSE, 64-row KV pages, the portable
 lightning indexer and torch stand-ins for vLLM's Triton-only metadata kernels),
 ``sparse-indexer`` (CUDA: the portable Triton DSA indexer where ``VLLM_MLA_INDEXER`` picks
-it), ``dsv4-gpu`` (CUDA: DeepSeek-V4 on a GPU its attention backends declare they cannot
-run on is refused at start-up, named), ``cpu-mxfp8`` (CPU platform only: vLLM's emulation MXFP8 linear kernel registered for
-CPU, so MXFP8 checkpoints load) and ``wake-check`` (catches MLA weights discarded by sleep
-level 2 and not reloaded), ``tp-pad`` (applied only with ``VLLM_MLA_TP_PAD=1``: head-padded
-tensor parallelism, ``vllm_mla.tp_pad``).
+it), ``dsv4-gpu`` (CUDA: DeepSeek-V4 on a GPU its attention backends declare they cannot run
+on is refused at start-up, named), ``cpu-mxfp8`` (CPU platform only: vLLM's emulation MXFP8
+linear kernel registered for CPU, so MXFP8 checkpoints load) and ``wake-check`` (catches MLA
+weights discarded by sleep level 2 and not reloaded), ``tp-pad`` (applied only with
+``VLLM_MLA_TP_PAD=1``: head-padded tensor parallelism, ``vllm_mla.tp_pad``).
 
 Build time only, read by setup.py (which cannot import the package): ``VLLM_MLA_CUDA_ARCHS``
 (listed in ``VARIABLES`` too).
