@@ -52,7 +52,8 @@ What is checked, and against what:
   0.035 (short / 4200) against floors 0.082 / 0.060, ours 0.033 / 0.018 against 0.067 /
   0.061; sink dropped 7x the bound, selection reversed 3.7x (on the 2100-token prompt
   reversing drops 13 of 525 entries, ~1.4x the floor: hence the longer one); TP 2 short /
-  long 0.031 / 0.014 against 0.061 / 0.037. Near-ties seen: margins 0.016-0.234. Our
+  long / 4200 0.031 / 0.014 / 0.030 against 0.061 / 0.037 / 0.038 (selection reversed
+  5.8x). Near-ties seen: margins 0.016-0.234. Our
   indexer's scores negated (``_paged_logits``, all else ours): the 4200-token request's
   median 0.348, 4.9x its bound, and the 2100-token one a token 0.41 nats off the argmax.
 
