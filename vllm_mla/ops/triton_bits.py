@@ -5,6 +5,8 @@ interpreter (whose own bf16 / fp8 casts round unlike a GPU's).
 - ``e4m3_to_f32``: float8_e4m3fn codes (uint8) -> fp32, exact (no fp8 type: SM80 too).
 - ``f32_to_e4m3``: fp32 -> float8_e4m3fn code as torch casts (round to nearest even),
   saturating at +-448 (``formats.E4M3_MAX``), for |x| <= 464.
+- ``dot``: ``tl.dot`` of bf16 operands with fp32 accumulation; under the interpreter
+  (``INTERPRET``), whose bf16 dot rounds unlike a GPU's, the same values in fp32.
 - ``e2m1_to_f32`` / ``f32_to_e2m1``: OCP FP4 E2M1 codes (0..15, bit 3 the sign) <-> fp32,
   arithmetic on any GPU (no ``cvt.*.e2m1x2``, which only SM100a/SM120a have); encoding
   rounds to nearest with ties to the even code and saturates at 6.
@@ -14,6 +16,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, INTERPRET: tl.constexpr):
+    """``a @ b`` as a GPU computes it on bf16 operands (fp32 accumulation)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
 @triton.jit

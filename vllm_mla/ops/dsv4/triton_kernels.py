@@ -42,7 +42,7 @@ from vllm_mla.formats import (
     E4M3_MIN_NORMAL,
     E8M0_BIAS,
 )
-from vllm_mla.ops.triton_bits import e4m3_to_f32, f32_to_e4m3, round_to_bf16
+from vllm_mla.ops.triton_bits import dot, e4m3_to_f32, f32_to_e4m3, round_to_bf16
 
 LOG2E = 1.4426950408889634
 BLOCK_K = 32  # records gathered per step
@@ -134,13 +134,6 @@ def _dsv4_write_kernel(
 
 
 @triton.jit
-def _dot(a, b, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-
-
-@triton.jit
 def _piece(data, scales, valid, PIECE: tl.constexpr, PV: tl.constexpr):
     """[BLOCK_K, 64] bf16 piece ``PIECE`` of the gathered records, exact, and its [BLOCK_K]
     scale: pieces 0-6 the e4m3 NoPE values unscaled (their power-of-two scale is applied to
@@ -166,7 +159,7 @@ def _qk(q_rows, hmask, data, scales, valid, PIECE: tl.constexpr, INTERPRET: tl.c
     # q is reloaded per chunk (an L1 hit): held across the loop it spills
     q = tl.load(q_rows + PIECE * _QBLOCK, mask=hmask[:, None], other=0.0)
     k, scale = _piece(data, scales, valid, PIECE, False)
-    return _dot(q, tl.trans(k), INTERPRET) * scale[None, :]
+    return dot(q, tl.trans(k), INTERPRET) * scale[None, :]
 
 
 @triton.jit
@@ -175,7 +168,7 @@ def _pv(acc, alpha, p, data, scales, valid, PIECE: tl.constexpr, INTERPRET: tl.c
     w = p * scale[None, :]  # rounding p * 2**e to bf16 is rounding p: the same weights
     if INTERPRET:
         w = round_to_bf16(w).to(tl.float32)
-    return acc * alpha[:, None] + _dot(w.to(tl.bfloat16), v, INTERPRET)
+    return acc * alpha[:, None] + dot(w.to(tl.bfloat16), v, INTERPRET)
 
 
 @triton.jit

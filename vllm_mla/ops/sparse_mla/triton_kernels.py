@@ -64,7 +64,7 @@ from vllm_mla import envs
 from vllm_mla.ops.capture import capturing
 from vllm_mla.ops.sparse_mla import nvfp4_record
 from vllm_mla.ops.sparse_mla.formats import FORMAT, ROPE, SparseMLANotPrepared
-from vllm_mla.ops.triton_bits import e2m1_to_f32, e4m3_to_f32, round_to_bf16
+from vllm_mla.ops.triton_bits import dot, e2m1_to_f32, e4m3_to_f32, round_to_bf16
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -72,13 +72,6 @@ SINK_LOG2E = tl.constexpr(LOG2E)  # the sink is a natural-log logit; the kernels
 # nvfp4_ds_mla byte offsets (nvfp4_record): RoPE e4m3 at 256, the permuted scales at 320
 NVFP4_ROPE = tl.constexpr(nvfp4_record.ROPE_OFFSET)
 NVFP4_SCALES = tl.constexpr(nvfp4_record.SCALES_OFFSET)
-
-
-@triton.jit
-def _dot(a, b, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
 @triton.jit
@@ -135,10 +128,10 @@ def _qk_piece(
     # every warp's MMA operand registers costs ~144 registers per thread and spills.
     q = tl.load(q_rows + PIECE * 128, mask=hmask[:, None], other=0.0)
     if NVFP4:
-        s = _dot(q, tl.trans(_nvfp4_piece(kv_ptr, base, valid, PIECE, False)), INTERPRET)
+        s = dot(q, tl.trans(_nvfp4_piece(kv_ptr, base, valid, PIECE, False)), INTERPRET)
     else:
         kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, False)
-        s = _dot(q, tl.trans(kv), INTERPRET)
+        s = dot(q, tl.trans(kv), INTERPRET)
         if FP8:
             s = s * scale[None, :]
     return s
@@ -152,7 +145,7 @@ def _pv_piece(acc, alpha, p, kv_ptr, base, valid, PIECE: tl.constexpr, FP8, NVFP
         kv, scale = _latent_piece(kv_ptr, base, valid, PIECE, FP8, True)
         if FP8:
             p = p * scale[None, :]
-    return acc * alpha[:, None] + _dot(p, kv, INTERPRET)
+    return acc * alpha[:, None] + dot(p, kv, INTERPRET)
 
 
 @triton.jit
@@ -311,7 +304,7 @@ def _sparse_mla_split_kernel(
                     pe_ptrs = kv_ptr + base[:, None] + 512
                 kpe = tl.load(pe_ptrs + r[None, :], mask=valid[:, None], other=0.0)
             qpe = tl.load(qpe_ptrs, mask=hmask[:, None], other=0.0)
-            s = _dot(qpe, tl.trans(kpe), INTERPRET)
+            s = dot(qpe, tl.trans(kpe), INTERPRET)
             s += _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, NVFP4, INTERPRET)
         else:  # no RoPE: the latent pieces alone
             s = _qk_piece(q_rows, hmask, kv_ptr, base, valid, 0, FP8, NVFP4, INTERPRET)
