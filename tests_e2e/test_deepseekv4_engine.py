@@ -54,8 +54,9 @@ What is checked, and against what:
   reversing drops 13 of 525 entries, ~1.4x the floor: hence the longer one); TP 2 short /
   long / 4200 0.031 / 0.014 / 0.030 against 0.061 / 0.037 / 0.038 (selection reversed
   5.8x). Near-ties seen: margins 0.016-0.234. Our
-  indexer's scores negated (``_paged_logits``, all else ours): the 4200-token request's
-  median 0.348, 4.9x its bound, and the 2100-token one a token 0.41 nats off the argmax.
+  indexer's scores negated (``_paged_logits``, all else ours) fails this test: at TP 1 a
+  2100-token step's token 0.41 nats off the argmax, at TP 2 the 4200-token request's
+  median 0.343, 4.8x its bound.
 
 The tests pick each job's ISA themselves (native for vLLM's kernels, forced AVX2 for
 ours): under a forced ISA (the suite's AVX2 part) they would repeat the same runs, so
