@@ -300,14 +300,13 @@ def dsv4_cases() -> list[dict]:
     sig.update({"s_out": "i32", "eps": "fp32"})
     aligned = {"s_page", "s_row", "s_cs", "s_out"}
     for ratio, window, width in ((4, 8, 512), (128, 128, 512), (4, 8, 128)):
-        block = min(width, v4.COMPRESS_BLOCK_D)
         cases.append(
             dict(
                 kernel="dsv4_compress",
                 fn=v4._dsv4_compress_kernel,
                 what=f"ratio {ratio}, window {window}, D {width}",
                 sig=sig,
-                const=dict(RATIO=ratio, WINDOW=window, D=width, BLOCK_D=block),
+                const=dict(RATIO=ratio, WINDOW=window, D=width, BLOCK_D=v4.COMPRESS_BLOCK_D),
                 attrs=_aligned_attrs(sig, aligned),
                 options=dict(num_warps=v4.COMPRESS_WARPS),
             )

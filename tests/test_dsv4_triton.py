@@ -175,6 +175,9 @@ def test_arguments_are_named():
         dispatch.compressed_rows(state.bfloat16(), gather, pos, weight, 1e-6, cos_sin, 4)
     with pytest.raises(ValueError, match=r"positions: \[3\], got \(2,\)"):
         dispatch.compressed_rows(state, gather, pos[:2], weight, 1e-6, cos_sin, 4)
+    with pytest.raises(ValueError, match=r"a power-of-two window .* got a window of 6 and 512"):
+        six = (state[..., :1024], gather[:, :6], pos, weight, 1e-6, cos_sin, 6)
+        dispatch.compressed_rows(*six, impl="triton")
 
 
 def test_auto_is_the_reference_on_cpu():

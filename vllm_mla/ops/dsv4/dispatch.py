@@ -1,8 +1,10 @@
-"""The one place DeepSeek-V4's record writer and attention pick and run an implementation.
+"""The one place DeepSeek-V4's record writer, compressor and attention pick and run an
+implementation.
 
 - ``triton``: ``triton_kernels`` (CUDA SM80+, no fp8 instruction; on CPU tensors only under
   ``TRITON_INTERPRET=1`` and only when asked for by name).
-- ``reference``: ``record.write`` / ``attention.attend`` in torch (the CPU default).
+- ``reference``: ``record.write`` / ``compressor.entries`` / ``attention.attend`` in torch
+  (the CPU default).
 
 Both check their arguments here first, so either implementation sees the same validated
 call and an error names the tensor at fault.

@@ -41,6 +41,7 @@ from vllm_mla.formats import (
     E4M3_MAX,
     E4M3_MIN_NORMAL,
     E8M0_BIAS,
+    ROPE,
 )
 from vllm_mla.ops.triton_bits import dot, e4m3_to_f32, f32_to_e4m3, round_to_bf16
 
@@ -357,9 +358,15 @@ def launch_compress(
 ) -> None:
     """``out`` (``[T, D]`` fp32, contiguous rows) = ``compressor.entries``' rows."""
     tokens, window = gather_slots.shape
+    width = weight.numel()
+    if window & (window - 1) or width % COMPRESS_BLOCK_D or width <= ROPE:
+        raise ValueError(
+            f"the Triton compressor takes a power-of-two window and a norm of a multiple of "
+            f"{COMPRESS_BLOCK_D} values past the {ROPE} RoPE ones (V4's: 8 or 128 rows, 512 "
+            f"or 128 wide), got a window of {window} and {width}"
+        )
     if tokens == 0:
         return
-    width = weight.numel()
     _dsv4_compress_kernel[(tokens,)](
         state_cache,
         gather_slots,
@@ -377,7 +384,7 @@ def launch_compress(
         RATIO=ratio,
         WINDOW=window,
         D=width,
-        BLOCK_D=min(width, COMPRESS_BLOCK_D),
+        BLOCK_D=COMPRESS_BLOCK_D,
         num_warps=COMPRESS_WARPS,
     )
 
