@@ -12,6 +12,18 @@ import torch
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
+TRITON_MIN_CAPABILITY = (8, 0)  # the portable kernels' floor: no fp8 instruction below SM89
+
+
+def triton_gpu(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU the portable Triton kernels serve (Triton, CUDA SM80+)."""
+    return (
+        TRITON_AVAILABLE
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= TRITON_MIN_CAPABILITY
+    )
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether a Triton kernel can launch on ``device``'s tensors: a CUDA device, or CPU
     tensors under ``TRITON_INTERPRET=1`` (the interpreter)."""

@@ -16,11 +16,10 @@ import torch
 
 from vllm_mla import envs
 from vllm_mla.formats import DSV4_HEAD, DSV4_RECORD, DSV4_WRITERS
-from vllm_mla.ops.base import TRITON_AVAILABLE, triton_runs_on
+from vllm_mla.ops.base import TRITON_AVAILABLE, triton_gpu, triton_runs_on
 from vllm_mla.ops.dsv4 import attention, compressor, record
 
 IMPLS = ("auto", "triton", "reference")
-TRITON_MIN_CAPABILITY = (8, 0)
 
 
 def resolve(impl: str, device: torch.device) -> str:
@@ -29,10 +28,7 @@ def resolve(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        cuda = device.type == "cuda" and TRITON_AVAILABLE
-        if cuda and torch.cuda.get_device_capability(device) >= TRITON_MIN_CAPABILITY:
-            return "triton"
-        return "reference"
+        return "triton" if triton_gpu(device) else "reference"
     if impl == "triton" and not triton_runs_on(device):
         raise NotImplementedError(
             f"impl='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 for CPU "

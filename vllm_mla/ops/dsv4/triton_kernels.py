@@ -36,7 +36,6 @@ from vllm_mla.formats import (
     DSV4_HEAD,
     DSV4_NOPE,
     DSV4_QUANT_BLOCK,
-    DSV4_RECORD,
     DSV4_SCALE_BYTES,
     E4M3_MAX,
     E4M3_MIN_NORMAL,
@@ -389,18 +388,10 @@ def launch_compress(
     )
 
 
-def _page_stride(cache: torch.Tensor, block_size: int) -> int:
-    """Bytes from one page to the next of a uint8 paged cache whose pages are
-    ``block_size * 584`` contiguous bytes."""
-    if cache.dtype != torch.uint8:
-        raise ValueError(f"a DeepSeek-V4 cache is uint8, got {cache.dtype}")
-    pages = cache.view(cache.shape[0], -1)
-    if pages.shape[1] != block_size * DSV4_RECORD or pages.stride(1) != 1:
-        raise ValueError(
-            f"a page of {block_size} DeepSeek-V4 records is {block_size * DSV4_RECORD} "
-            f"contiguous bytes, got {tuple(cache.shape)} with strides {cache.stride()}"
-        )
-    return pages.stride(0)
+def _page_stride(cache: torch.Tensor) -> int:
+    """Bytes from one page to the next of a paged cache ``dispatch`` checked (each page
+    ``block_size * 584`` contiguous bytes)."""
+    return cache.view(cache.shape[0], -1).stride(0)
 
 
 def launch_write(
@@ -419,7 +410,7 @@ def launch_write(
         slots,
         cache,
         rows.stride(0),
-        _page_stride(cache, block_size),
+        _page_stride(cache),
         block_size,
         CPU_RULE=cpu_rule,
         num_warps=WRITE_WARPS,
@@ -461,8 +452,8 @@ def launch_attend(
         compressed_slots.shape[1],
         window_block_size,
         compressed_block_size,
-        _page_stride(window_cache, window_block_size),
-        _page_stride(compressed_cache, compressed_block_size),
+        _page_stride(window_cache),
+        _page_stride(compressed_cache),
         q.stride(0),
         q.stride(1),
         window_slots.stride(0),

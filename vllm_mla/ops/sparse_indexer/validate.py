@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from vllm_mla import envs
+from vllm_mla.ops.base import triton_gpu
 from vllm_mla.ops.sparse_indexer.reference import IndexerError, _check_cache
 
 
@@ -19,7 +20,7 @@ def check_runnable(*tensors: torch.Tensor) -> None:
         expect("device", x.device == device, f"every tensor on {device}", x.device)
     if device.type == "cpu" and envs.triton_interpret():
         return
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+    if triton_gpu(device):
         return
     raise NotImplementedError(
         f"the Triton indexer needs a CUDA device of SM80 or later (or TRITON_INTERPRET=1 for "

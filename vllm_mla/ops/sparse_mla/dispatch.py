@@ -25,13 +25,12 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_mla.ops.base import TRITON_AVAILABLE, triton_runs_on
+from vllm_mla.ops.base import TRITON_AVAILABLE, triton_gpu, triton_runs_on
 from vllm_mla.ops.sparse_mla.formats import SparseMLAError
 from vllm_mla.ops.sparse_mla.reference import sparse_mla_reference
 
 IMPLS = ("auto", "b12x", "triton", "reference")
 B12X_CAPABILITIES = ((12, 0), (12, 1))
-TRITON_MIN_CAPABILITY = (8, 0)
 NO_DCP_ARGS = (1, 0, 1)  # DCPShard.args of a rank without decode context parallelism
 
 B12XRunner = Callable[..., bool]
@@ -83,7 +82,7 @@ def select_impl(device: torch.device | str) -> str:
         return "reference"
     if _b12x_usable(device):
         return "b12x"
-    if TRITON_AVAILABLE and torch.cuda.get_device_capability(device) >= TRITON_MIN_CAPABILITY:
+    if triton_gpu(device):
         return "triton"
     return "reference"
 
