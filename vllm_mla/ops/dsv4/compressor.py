@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mla.formats import DSV4_FLOOR, E4M3_MAX, E4M3_MIN_NORMAL, INDEX_HEAD_DIM
+from vllm_mla.formats import INDEX_HEAD_DIM
 from vllm_mla.ops.dsv4 import record, rope
 
 
@@ -96,12 +96,8 @@ def index_key_bytes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row over its power-of-two scale, ``2**ceil(log2(amax / 448))`` with ``amax / 448``
     floored at 1e-4, values under e4m3's smallest normal stored as zeros of their sign
     (vLLM CPU's writer)."""
-    x = rows.to(torch.bfloat16).float()
-    ratio = (x.abs().amax(-1) / E4M3_MAX).clamp_min(DSV4_FLOOR)
-    scale = torch.exp2(torch.ceil(torch.log2(ratio)))
-    values = (x / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    values = torch.where(values.abs() < E4M3_MIN_NORMAL, values * 0.0, values)
-    return values.to(torch.float8_e4m3fn).view(torch.uint8), scale
+    values, exponent = record.scaled(rows.to(torch.bfloat16).float(), "cpu")
+    return values.to(torch.float8_e4m3fn).view(torch.uint8), torch.exp2(exponent)
 
 
 def store_index_keys(

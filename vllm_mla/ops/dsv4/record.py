@@ -37,6 +37,23 @@ from vllm_mla.formats import (
 BLOCKS = DSV4_NOPE // DSV4_QUANT_BLOCK  # 7
 
 
+def scaled(x: torch.Tensor, writer: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Each last-dim block of fp32 ``x`` over its power-of-two scale, by ``writer``'s rule
+    (module docstring): (the values, clamped and, for ``"cpu"``, flushed; ready for
+    e4m3, the exponents ``[...]``)."""
+    amax = x.abs().amax(-1)
+    if writer == "triton":
+        ratio = amax.clamp_min(DSV4_FLOOR) / E4M3_MAX
+    else:
+        ratio = (amax / E4M3_MAX).clamp_min(DSV4_FLOOR)
+    exponent = torch.ceil(torch.log2(ratio))
+    values = (x * torch.exp2(-exponent)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+    if writer == "cpu":
+        # flushed to a zero of the value's sign (-0 stays negative, as _C stores it)
+        values = torch.where(values.abs() < E4M3_MIN_NORMAL, values * 0.0, values)
+    return values, exponent
+
+
 def quantize(rows: torch.Tensor, writer: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, 512]`` rows to (``[T, 576]`` data bytes, ``[T, 8]`` scale bytes), as
     ``writer`` (one of ``DSV4_WRITERS``) stores them."""
@@ -45,17 +62,7 @@ def quantize(rows: torch.Tensor, writer: str = "cpu") -> tuple[torch.Tensor, tor
     if writer not in DSV4_WRITERS:
         raise ValueError(f"writer must be one of {DSV4_WRITERS}, got {writer!r}")
     x = rows.to(torch.bfloat16).float()
-    nope = x[:, :DSV4_NOPE].reshape(-1, BLOCKS, DSV4_QUANT_BLOCK)
-    amax = nope.abs().amax(-1)
-    if writer == "triton":
-        ratio = amax.clamp_min(DSV4_FLOOR) / E4M3_MAX
-    else:
-        ratio = (amax / E4M3_MAX).clamp_min(DSV4_FLOOR)
-    exponent = torch.ceil(torch.log2(ratio))
-    values = (nope * torch.exp2(-exponent)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
-    if writer == "cpu":
-        # flushed to a zero of the value's sign (-0 stays negative, as _C stores it)
-        values = torch.where(values.abs() < E4M3_MIN_NORMAL, values * 0.0, values)
+    values, exponent = scaled(x[:, :DSV4_NOPE].reshape(-1, BLOCKS, DSV4_QUANT_BLOCK), writer)
     data = torch.empty(x.shape[0], DSV4_DATA_BYTES, dtype=torch.uint8, device=x.device)
     data[:, :DSV4_NOPE] = values.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1, DSV4_NOPE)
     rope = x[:, DSV4_NOPE:].to(torch.bfloat16).contiguous()
