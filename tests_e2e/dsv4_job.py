@@ -3,7 +3,7 @@ process: the short prompt alone, then the long and the short prompt in one batch
 with ``--selecting``, the selecting prompt alone).
 
 Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N] [--reload MODEL2]
-[--selecting].
+[--selecting] [--mtp N].
 bf16 (vLLM CPU's V4 path serves bf16 only), eager, the engine core in this process,
 greedy with the top log-probabilities. The long prompt (``LONG`` tokens) has more 4:1
 compressed entries than the checkpoint's ``index_topk`` of 512 (the only top-k vLLM
@@ -18,7 +18,7 @@ needs this one to tell a wrong selection from noise). ``--reload MODEL2``: then
 parallel over N worker processes (one core each, round robin). ``--perturb SEED``: every
 sparse-attention output of vLLM's kernel moves by one bf16 step, up or down at random
 (seeded): the noise floor an implementation that rounds its attention differently stays
-within.
+within. ``--mtp N``: speculative decoding by the checkpoint's MTP layers, N tokens a step.
 """
 
 from __future__ import annotations
@@ -97,21 +97,25 @@ def main(
     tp: int = 1,
     reload: str | None = None,
     selecting: bool = False,
+    mtp: int = 0,
 ) -> None:
     from vllm import LLM
 
     if perturb_seed is not None:
         perturb_attention(perturb_seed)
-    parallel = {}
+    options = {}
     if tp > 1:
         cores = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(cores[rank % len(cores)]) for rank in range(tp)
         )
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function
-        parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+        options = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+    if mtp:
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": mtp}
 
-    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    config = json.loads(Path(model, "config.json").read_text())
+    vocab = config.get("text_config", config)["vocab_size"]  # V4.1 nests the text model
     long, short, selecting_prompt = prompts(vocab)
     start = time.perf_counter()
     llm = LLM(
@@ -121,7 +125,7 @@ def main(
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=2,
         seed=0,
-        **parallel,
+        **options,
     )
     report = {"load_s": time.perf_counter() - start}
     t = time.perf_counter()
@@ -143,4 +147,5 @@ if __name__ == "__main__":
     seed = int(args[args.index("--perturb") + 1]) if "--perturb" in args else None
     tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
     reload = args[args.index("--reload") + 1] if "--reload" in args else None
-    main(args[0], args[1], seed, tp, reload, "--selecting" in args)
+    mtp = int(args[args.index("--mtp") + 1]) if "--mtp" in args else 0
+    main(args[0], args[1], seed, tp, reload, "--selecting" in args, mtp)

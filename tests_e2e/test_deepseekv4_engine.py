@@ -58,9 +58,9 @@ What is checked, and against what:
   2100-token step's token 0.41 nats off the argmax, at TP 2 the 4200-token request's
   median 0.343, 4.8x its bound.
 
-- **Released V4 weights stop at start-up without AMX**: V4-Flash's quantization (FP8
-  block linears, MXFP4 experts) on a host without AMX tiles stops while the model is
-  built, vLLM's kernel selection naming the FP8 linear and AMX.
+- **What is not served stops at start-up**: V4-Flash's quantization (FP8 block linears,
+  MXFP4 experts) on a host without AMX tiles, V4's MTP and V4.1 stop while the engine is
+  built, the cause named.
 
 The tests pick each job's ISA themselves (native for vLLM's kernels, forced AVX2 for
 ours): under a forced ISA (the suite's AVX2 part) they would repeat the same runs, so
@@ -188,27 +188,58 @@ FLASH_QUANTIZATION = {
 }
 
 
-def test_fp8_weights_stop_at_start_up_without_amx(v4_model, tmp_path):
-    """V4's released checkpoints (FP8 linears, MXFP4 experts) are not served on a host
-    without AMX tiles, on either path: vLLM CPU's FP8 block linears have only AMX kernels,
-    and our torch ops serve bf16 weights only. It must stop while the model is built, with
-    the cause named, not at a step. AVX2 forced, so AMX is absent on any host; the model
-    is built before any weight is read, so the configuration alone decides."""
-    fp8 = tmp_path / "fp8"
-    fp8.mkdir()
+def as_v41(config: dict) -> dict:
+    """The same model as DeepSeek-V4.1 lays out its config: the text model nested, a
+    vision tower (here of no layer)."""
+    text = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": {**text, "model_type": "deepseek_v4"},
+        "vision_config": {"num_hidden_layers": 0},
+    }
+
+
+# what is not served on vLLM CPU: (the checkpoint's config made so, job arguments, what
+# the refusal says)
+NOT_SERVED = {
+    "fp8-weights": (
+        lambda config: {**config, "quantization_config": FLASH_QUANTIZATION},
+        (),
+        (
+            "Failed to find a kernel that can implement the ScaledMM linear layer",
+            "requires AMX tile support",
+        ),
+    ),
+    "mtp": (
+        lambda config: {**config, "num_nextn_predict_layers": 1},
+        ("--mtp", "1"),
+        ("DeepSeek-V4 speculative decoding (MTP) is not implemented on CPU",),
+    ),
+    "v4.1": (as_v41, (), ("DeepseekV4 attention requires a CUDA device",)),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_SERVED))
+def test_what_is_not_served_stops_at_start_up(v4_model, tmp_path, case):
+    """On either path, V4's released weights (FP8 linears, MXFP4 experts) on a host without
+    AMX tiles (vLLM CPU's FP8 block linears have only AMX kernels; our torch ops serve bf16
+    weights), V4's MTP (none on vLLM CPU) and V4.1 (vLLM builds its CUDA model on every
+    platform) stop while the engine is built, the cause named, not at a step. AVX2
+    forced, so AMX is absent on any host; each stops before any weight is read, so the
+    configuration alone decides."""
+    made_so, args, said = NOT_SERVED[case]
+    model = tmp_path / case
+    model.mkdir()
     for f in v4_model.iterdir():
-        (fp8 / f.name).symlink_to(f)
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
     config = json.loads((v4_model / "config.json").read_text())
-    (fp8 / "config.json").unlink()
-    (fp8 / "config.json").write_text(
-        json.dumps({**config, "quantization_config": FLASH_QUANTIZATION})
-    )
-    code, log, report = run_job(fp8, tmp_path, "fp8", VLLM_MLA_CPU_ISA="avx2")
+    (model / "config.json").write_text(json.dumps(made_so(config)))
+    code, log, report = run_job(model, tmp_path, case, *args, VLLM_MLA_CPU_ISA="avx2")
     assert code != 0 and report is None
-    assert "Failed to find a kernel that can implement the ScaledMM linear layer" in log, log[
-        -3000:
-    ]
-    assert "requires AMX tile support" in log, log[-3000:]
+    for words in said:
+        assert words in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")
