@@ -131,7 +131,12 @@ def main() -> None:
     a = parser.parse_args()
     figures = measure(a.tokens, a.heads, a.calls, a.rounds, a.ours_only)
     if a.ours_only:
-        print(json.dumps(figures))
+        from vllm_mla import cpu_isa
+        from vllm_mla.vllm.sparse import dsv4_ops
+
+        ops = [op for op, _ in cases(1, 1).values()]
+        loaded = [op for op in ops if dsv4_ops.vllms(op)]  # vLLM's, not ours, under these names
+        print(json.dumps({"figures": figures, "isa": cpu_isa.applied(), "vllm_kernels": loaded}))
         return
     child = subprocess.run(
         [sys.executable, __file__, "--ours-only", *sys.argv[1:]],
@@ -142,13 +147,14 @@ def main() -> None:
     )
     avx2 = json.loads(child.stdout.strip().splitlines()[-1])
     for name, row in figures.items():
-        row["ours_avx2"] = avx2[name]["ours"]
+        row["ours_avx2"] = avx2["figures"][name]["ours"]
         row["ours/vllm"] = row["ours"] / row["vllm"]
         row["ours_avx2/vllm"] = row["ours_avx2"] / row["vllm"]
     report = {
         "environment": environment(),
         "shape": {"tokens": a.tokens, "heads": a.heads, "window": WINDOW, "topk": TOPK},
         "ms_per_call": figures,
+        "avx2_process": {"isa": avx2["isa"], "vllm_kernels": avx2["vllm_kernels"]},
     }
     head = ("vllm ms", "ours ms", "avx2 ms", "ours/vllm", "avx2/vllm")
     print(f"{'op':16}", *(f"{h:>10}" for h in head))
