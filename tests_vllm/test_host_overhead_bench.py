@@ -6,32 +6,18 @@ from vLLM's classes, that every stub is declared, and that each figure was measu
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from benchrun import run_benchmark
 
 from vllm_mla.vllm.patches import vllm_minor
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_host_overhead_runs_side_by_side(tmp_path):
-    out = tmp_path / "host.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "host_overhead.py"),
-            *("--calls", "20", "--rounds", "2", "--warmup", "5"),
-            *("--tokens", "1,4", "--heads", "16", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    report = run_benchmark(
+        "host_overhead.py",
+        tmp_path / "host.json",
+        *("--calls", "20", "--rounds", "2", "--warmup", "5"),
+        *("--tokens", "1,4", "--heads", "16"),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
     impls = report["impls"]
     # the GPU's 64-row pages on every host, though vLLM's CPU platform picks 16 (or 128 with
     # AMX) for MLA models: a host-dependent block size once left ours unbuilt off AMX
