@@ -3,7 +3,7 @@ process: the short prompt alone, then the long and the short prompt in one batch
 with ``--selecting``, the selecting prompt alone).
 
 Usage: python dsv4_job.py MODEL OUT.json [--perturb SEED] [--tp N] [--reload MODEL2]
-[--selecting] [--mtp N].
+[--selecting] [--mtp N] [--chunked N].
 bf16 (vLLM CPU's V4 path serves bf16 only), eager, the engine core in this process,
 greedy with the top log-probabilities. The long prompt (``LONG`` tokens) has more 4:1
 compressed entries than the checkpoint's ``index_topk`` of 512 (the only top-k vLLM
@@ -19,6 +19,10 @@ parallel over N worker processes (one core each, round robin). ``--perturb SEED`
 sparse-attention output of vLLM's kernel moves by one bf16 step, up or down at random
 (seeded): the noise floor an implementation that rounds its attention differently stays
 within. ``--mtp N``: speculative decoding by the checkpoint's MTP layers, N tokens a step.
+``--chunked N``: scheduled as vLLM CPU schedules V4 on an AMX host (chunked prefill and
+prefix caching on; elsewhere it turns both off), at most N tokens a step: prompts run in
+chunks, and the selecting prompt finds the long one's first blocks cached (both start
+with the same tokens).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def _generate(llm, batch: list[list[int]]) -> list[dict]:
         o = request.outputs[0]
         out.append(
             {
+                "cached": request.num_cached_tokens or 0,  # prompt tokens found cached
                 "token_ids": list(o.token_ids),
                 "logprobs": [{str(t): lp.logprob for t, lp in s.items()} for s in o.logprobs],
             }
@@ -90,6 +95,25 @@ def perturb_attention(seed: int) -> None:
     torch.ops._C.flash_mla_with_kvcache_cpu = perturbed
 
 
+def schedule_as_on_amx() -> None:
+    """vLLM CPU's config step sees AMX tiles, which is all that decides V4's chunked
+    prefill and prefix caching there (the kernels are this host's: nothing else asks)."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        real = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = lambda: True
+        try:
+            original(cls, vllm_config)
+        finally:
+            torch.cpu._is_amx_tile_supported = real
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def main(
     model: str,
     out_path: str,
@@ -98,6 +122,7 @@ def main(
     reload: str | None = None,
     selecting: bool = False,
     mtp: int = 0,
+    chunked: int = 0,
 ) -> None:
     from vllm import LLM
 
@@ -113,6 +138,11 @@ def main(
         options = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     if mtp:
         options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": mtp}
+    if chunked:
+        schedule_as_on_amx()
+        options.update(
+            enable_chunked_prefill=True, enable_prefix_caching=True, max_num_batched_tokens=chunked
+        )
 
     config = json.loads(Path(model, "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]  # V4.1 nests the text model
@@ -127,7 +157,13 @@ def main(
         seed=0,
         **options,
     )
-    report = {"load_s": time.perf_counter() - start}
+    config = llm.llm_engine.vllm_config
+    report = {
+        "load_s": time.perf_counter() - start,
+        "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+        "prefix_caching": config.cache_config.enable_prefix_caching,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
     t = time.perf_counter()
     report["alone"] = _generate(llm, [short])
     report["batched"] = _generate(llm, [long, short])
@@ -148,4 +184,5 @@ if __name__ == "__main__":
     tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
     reload = args[args.index("--reload") + 1] if "--reload" in args else None
     mtp = int(args[args.index("--mtp") + 1]) if "--mtp" in args else 0
-    main(args[0], args[1], seed, tp, reload, "--selecting" in args, mtp)
+    chunked = int(args[args.index("--chunked") + 1]) if "--chunked" in args else 0
+    main(args[0], args[1], seed, tp, reload, "--selecting" in args, mtp, chunked)
