@@ -44,6 +44,12 @@ WINDOW, TOPK = 128, 512  # V4-Flash's window and C4 top-k
 ENTRIES = 2048  # C4 entries of an 8192-token context
 INDEX_HEADS, INDEX_DIM = 64, 128
 PAGE = 64  # tokens (records, keys) a page
+# each timed case and vLLM's ``_C`` op it times (ours stands under the same name)
+OPS = {
+    "attention": "flash_mla_with_kvcache_cpu",
+    "indexer_logits": "fp8_paged_mqa_logits_cpu",
+    "indexer_top512": "topk_transform_512_cpu",
+}
 
 
 def attention_case(tokens: int, heads: int, gen: torch.Generator) -> tuple:
@@ -77,15 +83,12 @@ def indexer_cases(tokens: int, gen: torch.Generator) -> tuple[tuple, tuple]:
     return logits, (scores, lengths, table, slots, PAGE, raw)
 
 
-def cases(tokens: int, heads: int) -> dict[str, tuple[str, tuple]]:
-    """name -> (the ``_C`` op, its arguments)."""
+def cases(tokens: int, heads: int) -> dict[str, tuple]:
+    """Each case of ``OPS``: its op's arguments."""
     gen = torch.Generator().manual_seed(0)
     logits, topk = indexer_cases(tokens, gen)
-    return {
-        "attention": ("flash_mla_with_kvcache_cpu", attention_case(tokens, heads, gen)),
-        "indexer_logits": ("fp8_paged_mqa_logits_cpu", logits),
-        "indexer_top512": ("topk_transform_512_cpu", topk),
-    }
+    attention = attention_case(tokens, heads, gen)
+    return {"attention": attention, "indexer_logits": logits, "indexer_top512": topk}
 
 
 def per_call_ms(fns: dict[str, Callable], args: tuple, calls: int, rounds: int) -> dict:
@@ -110,7 +113,8 @@ def measure(tokens: int, heads: int, calls: int, rounds: int, ours_only: bool) -
     current_platform.import_kernels()
     ours = {op.name: op.impl for op in dsv4_ops.OPS}
     results = {}
-    for name, (op, args) in cases(tokens, heads).items():
+    for name, args in cases(tokens, heads).items():
+        op = OPS[name]
         fns = {"ours": ours[op]}
         if not ours_only:
             if not dsv4_ops.vllms(op):
@@ -134,8 +138,7 @@ def main() -> None:
         from vllm_mla import cpu_isa
         from vllm_mla.vllm.sparse import dsv4_ops
 
-        ops = [op for op, _ in cases(1, 1).values()]
-        loaded = [op for op in ops if dsv4_ops.vllms(op)]  # vLLM's, not ours, under these names
+        loaded = [op for op in OPS.values() if dsv4_ops.vllms(op)]  # vLLM's, not ours
         print(json.dumps({"figures": figures, "isa": cpu_isa.applied(), "vllm_kernels": loaded}))
         return
     child = subprocess.run(
